@@ -1,0 +1,29 @@
+# The README's commands. `make setup` creates .venv at the repo root; the others use it.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint bench train data clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
+
+lint: setup
+	$(BIN)/ruff format --check ocformer tests benchmarks experiments
+	$(BIN)/ruff check ocformer tests benchmarks experiments
+	$(BIN)/pyright
+
+bench: setup
+	$(BIN)/python -m benchmarks.run --json benchmarks/results.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

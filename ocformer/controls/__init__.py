@@ -1,0 +1,15 @@
+"""Controls theta(t): every trainable parameter is a function of time."""
+
+from ._control import (
+    AbstractControl as AbstractControl,
+    Constant as Constant,
+    PiecewiseConstant as PiecewiseConstant,
+    stack_layers as stack_layers,
+    unstack_layers as unstack_layers,
+)
+from ._params import (
+    AttentionParams as AttentionParams,
+    FeedForwardParams as FeedForwardParams,
+    LayerParams as LayerParams,
+    NormParams as NormParams,
+)

@@ -1,0 +1,214 @@
+"""Standard Transformer layer stacks in and out of the continuous model."""
+
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..controls._control import PiecewiseConstant, stack_layers, unstack_layers
+from ..controls._params import AttentionParams, FeedForwardParams, LayerParams, NormParams
+from ..models._transformer import ContinuousTransformer
+
+LAYER_KEYS: tuple[str, ...] = (
+    "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
+    "w1", "b1", "w2", "b2",
+    "ln1_scale", "ln1_bias", "ln2_scale", "ln2_bias",
+)  # fmt: skip
+# Arrays that may be None: absent from the layer (no output map, no bias).
+OPTIONAL_KEYS: frozenset[str] = frozenset({"wo", "bq", "bk", "bv", "bo", "b1", "b2"})
+
+
+def _expected_shapes(d: int, d_ff: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    sq, vec, ln = ((d, d),), ((d,),), ((d,), ())
+    return {
+        "wq": sq, "wk": sq, "wv": sq, "wo": sq,
+        "bq": vec, "bk": vec, "bv": vec, "bo": vec,
+        "w1": ((d, d_ff),), "b1": ((d_ff,),), "w2": ((d_ff, d),), "b2": vec,
+        "ln1_scale": ln, "ln1_bias": ln, "ln2_scale": ln, "ln2_bias": ln,
+    }  # fmt: skip
+
+
+def _check_layers(layers: Sequence[Mapping]) -> tuple[int, int]:
+    if isinstance(layers, Mapping) or not isinstance(layers, Sequence) or not layers:
+        raise ValueError(
+            "`layers` must be a non-empty list with one dict of arrays per layer "
+            f"(keys {', '.join(LAYER_KEYS)}); got {type(layers).__name__}."
+        )
+    d = d_ff = None
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Mapping):
+            raise ValueError(f"layers[{i}] must be a dict of arrays, got {type(layer).__name__}.")
+        missing = [k for k in LAYER_KEYS if k not in layer]
+        unknown = [k for k in layer if k not in LAYER_KEYS]
+        if missing or unknown:
+            raise ValueError(
+                f"layers[{i}] has missing keys {missing} and unknown keys {unknown}. "
+                f"Expected exactly: {', '.join(LAYER_KEYS)} (use None for an absent "
+                f"{'/'.join(sorted(OPTIONAL_KEYS))})."
+            )
+        for k in LAYER_KEYS:
+            if layer[k] is None and k not in OPTIONAL_KEYS:
+                raise ValueError(f"layers[{i}]['{k}'] is None, but {k} is required.")
+        if d is None:
+            wq, w1 = np.shape(layer["wq"]), np.shape(layer["w1"])
+            if len(wq) != 2 or len(w1) != 2:
+                raise ValueError(
+                    f"layers[0]['wq'] and ['w1'] must be matrices; got shapes {wq}, {w1}."
+                )
+            d, d_ff = wq[0], w1[1]
+        expected = _expected_shapes(d, d_ff)
+        for k in LAYER_KEYS:
+            if layer[k] is None:
+                continue
+            shape = tuple(np.shape(layer[k]))
+            if shape not in expected[k]:
+                allowed = " or ".join(str(s) for s in expected[k])
+                raise ValueError(
+                    f"layers[{i}]['{k}'] has shape {shape}, expected {allowed} "
+                    f"(d={d}, d_ff={d_ff} from layers[0])."
+                )
+    for k in OPTIONAL_KEYS:
+        present = {layer[k] is None for layer in layers}
+        if len(present) > 1:
+            raise ValueError(
+                f"'{k}' is None in some layers and an array in others; every layer of "
+                "a stack must have the same structure."
+            )
+    for k in ("ln1_scale", "ln1_bias", "ln2_scale", "ln2_bias"):
+        if len({np.ndim(layer[k]) for layer in layers}) > 1:
+            raise ValueError(f"'{k}' must be scalar in every layer or a vector in every layer.")
+    assert d is not None and d_ff is not None
+    return d, d_ff
+
+
+def _array(x, dtype):
+    return None if x is None else jnp.asarray(x, dtype=dtype)
+
+
+def _layer_params(layer: Mapping, dtype) -> LayerParams:
+    d, d_ff = np.shape(layer["w1"])
+    a = lambda k: _array(layer[k], dtype)  # noqa: E731
+    # A_j = L_j + W_j: the controls are the deviations from the fixed maps.
+    w1 = a("w1") - jnp.eye(d, d_ff, dtype=dtype)
+    w2 = a("w2") - jnp.eye(d_ff, d, dtype=dtype)
+    return LayerParams(
+        attention=AttentionParams(
+            wq=a("wq"), wk=a("wk"), wv=a("wv"), wo=a("wo"),
+            bq=a("bq"), bk=a("bk"), bv=a("bv"), bo=a("bo"),
+        ),  # fmt: skip
+        norm1=NormParams(scale=a("ln1_scale"), bias=a("ln1_bias")),
+        feedforward=FeedForwardParams(weights=(w1, w2), biases=(a("b1"), a("b2"))),
+        norm2=NormParams(scale=a("ln2_scale"), bias=a("ln2_bias")),
+    )
+
+
+def _dtype_of(layers) -> np.dtype:
+    dtypes = {np.asarray(v).dtype for layer in layers for v in layer.values() if v is not None}
+    dtype = np.result_type(*dtypes)
+    if not np.issubdtype(dtype, np.floating):
+        dtype = np.dtype(np.float32)
+    return jnp.zeros((), dtype).dtype  # canonical: float32 unless x64 is enabled
+
+
+def from_layers(
+    layers: Sequence[Mapping],
+    *,
+    norm: str = "post",
+    num_heads: int,
+    activation: str = "relu",
+    causal: bool = False,
+    ln_eps: float = 1e-5,
+    final_norm: Mapping | None = None,
+) -> ContinuousTransformer:
+    """A standard Transformer stack as the continuous model under the Lie scheme.
+
+    Args:
+        layers: one dict per layer with the arrays ``wq, wk, wv, wo`` (d x d),
+            ``bq, bk, bv, bo`` (d), ``w1`` (d x d_ff), ``b1`` (d_ff), ``w2`` (d_ff x d),
+            ``b2`` (d), ``ln1_scale, ln1_bias, ln2_scale, ln2_bias`` (d, or scalars for
+            the paper's set S1(sigma1, sigma2)); weights act on the right (``u @ w``).
+            ``wo`` and the biases may be None (absent).
+        norm: ``"post"`` (Vaswani et al., BERT) or ``"pre"`` (GPT-2, ViT).
+        num_heads: attention heads; must divide d.
+        activation: ``"relu"``, ``"gelu"`` (exact erf) or ``"gelu_tanh"``.
+        causal: causal self-attention.
+        ln_eps: LayerNorm epsilon (0 for the paper's exact projection).
+        final_norm: None, or ``{"scale": (d,), "bias": (d,)}`` applied at t = T.
+
+    Returns:
+        A ``ContinuousTransformer`` with piecewise-constant controls on t in [0, L]
+        (layer n on [n, n+1)), the Lie scheme and one step per layer.
+
+    Raises:
+        ValueError: a key is missing or unknown, an array has the wrong shape, the
+            heads do not divide d, or an option is out of range.
+    """
+    d, _ = _check_layers(layers)
+    if not (isinstance(num_heads, int) and num_heads >= 1 and d % num_heads == 0):
+        raise ValueError(
+            f"num_heads={num_heads!r} must be a positive integer dividing d={d} "
+            f"(e.g. one of {[h for h in range(1, d + 1) if d % h == 0][:8]})."
+        )
+    if not (isinstance(ln_eps, (int, float)) and ln_eps >= 0):
+        raise ValueError(f"ln_eps must be a number >= 0, got {ln_eps!r}.")
+    dtype = _dtype_of(layers)
+    control = PiecewiseConstant(stack_layers([_layer_params(layer, dtype) for layer in layers]))
+    final = None
+    if final_norm is not None:
+        if set(final_norm) != {"scale", "bias"}:
+            raise ValueError(
+                f"final_norm must be a dict with keys 'scale' and 'bias', got {sorted(final_norm)}."
+            )
+        for k in ("scale", "bias"):
+            if np.shape(final_norm[k]) not in ((d,), ()):
+                raise ValueError(
+                    f"final_norm['{k}'] has shape {np.shape(final_norm[k])}, expected ({d},)."
+                )
+        final = NormParams(
+            scale=_array(final_norm["scale"], dtype), bias=_array(final_norm["bias"], dtype)
+        )
+    return ContinuousTransformer(
+        control,
+        norm=norm,
+        num_heads=num_heads,
+        causal=causal,
+        activation=activation,
+        ln_eps=float(ln_eps),
+        final_norm=final,
+    )
+
+
+def to_layers(model: ContinuousTransformer) -> list[dict]:
+    """The inverse of ``from_layers``: the plain per-layer layout, as numpy arrays.
+
+    Needs piecewise-constant controls with two feed-forward maps. ``w1 = E + W_1`` and
+    ``w2 = R + W_2`` are reassembled, so a round trip is exact up to one rounding of the
+    diagonal of those two kernels.
+    """
+    if not isinstance(model.control, PiecewiseConstant):
+        raise ValueError(
+            "to_layers needs piecewise-constant controls (one parameter set per layer); "
+            f"got {type(model.control).__name__}. Sample other controls on the layer grid "
+            "first."
+        )
+    out = []
+    for p in unstack_layers(model.control.values):
+        if len(p.feedforward.weights) != 2:
+            raise ValueError(
+                f"to_layers supports two feed-forward maps, got {len(p.feedforward.weights)}."
+            )
+        w1, w2 = p.feedforward.weights
+        b1, b2 = p.feedforward.biases
+        np_ = lambda x: None if x is None else np.asarray(x)  # noqa: E731
+        att = p.attention
+        out.append(
+            {
+                "wq": np_(att.wq), "wk": np_(att.wk), "wv": np_(att.wv), "wo": np_(att.wo),
+                "bq": np_(att.bq), "bk": np_(att.bk), "bv": np_(att.bv), "bo": np_(att.bo),
+                "w1": np.asarray(w1 + jnp.eye(*w1.shape, dtype=w1.dtype)), "b1": np_(b1),
+                "w2": np.asarray(w2 + jnp.eye(*w2.shape, dtype=w2.dtype)), "b2": np_(b2),
+                "ln1_scale": np_(p.norm1.scale), "ln1_bias": np_(p.norm1.bias),
+                "ln2_scale": np_(p.norm2.scale), "ln2_bias": np_(p.norm2.bias),
+            }  # fmt: skip
+        )
+    return out

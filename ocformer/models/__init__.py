@@ -1,0 +1,3 @@
+"""Models: the continuous Transformer, embeddings and readouts."""
+
+from ._transformer import ContinuousTransformer as ContinuousTransformer

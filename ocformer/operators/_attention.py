@@ -1,0 +1,109 @@
+"""Attention as a non-local integral operator over tokens."""
+
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from ..controls._params import AttentionParams
+from ._grid import Grid, constant_in_x
+
+
+def _transform(u, w, b, h_y: float):
+    # An integral transform in y on the grid: h_y * sum_xi u(x, xi) W(xi, y) (+ b(y)).
+    out = u @ w
+    if h_y != 1.0:
+        out = h_y * out
+    if b is not None:
+        out = out + constant_in_x(b, out.ndim)
+    return out
+
+
+class Attention(eqx.Module):
+    r"""The attention operator $\mathcal{A}(u; \theta)$.
+
+    $$\mathcal{A}(u)(x, y) = \sum_h \int_{\Omega_x} \gamma_h(x, x')
+      \langle V_h(x', \cdot), W^O_h(\cdot, y)\rangle \,dx' + b^O(y),$$
+    $$\gamma_h(x, x') = \frac{\exp s_h(x, x')}{\int_{\Omega_x} \exp s_h(x, x'')\,dx''},
+      \qquad s_h(x, x') = \frac{\langle Q_h(x, \cdot), K_h(x', \cdot)\rangle_{\Omega_{y,h}}}
+      {\sqrt{|\Omega_{y,h}|}},$$
+    with $Q, K, V$ affine integral transforms in $y$ and $\Omega_{y,h}$ the feature
+    sub-domain of head $h$ ($|\Omega_{y,h}| = h_y\,d/H$). Causal attention restricts
+    the $x'$-integral and its normaliser to $x' \le x$; a key mask removes tokens from
+    both. (Tai, Liu, Li, Chan, arXiv 2510.03989, term I; heads, biases and $W^O$ are
+    ocformer's extension.)
+
+    The operator holds no parameters: they arrive as ``AttentionParams``.
+
+    Args:
+        num_heads: number of heads H; must divide the feature width d.
+        causal: restrict to $x' \le x$.
+        grid: quadrature spacings.
+    """
+
+    num_heads: int = eqx.field(static=True)
+    causal: bool = eqx.field(default=False, static=True)
+    grid: Grid = Grid()
+
+    def __check_init__(self):
+        if not (isinstance(self.num_heads, int) and self.num_heads >= 1):
+            raise ValueError(
+                f"Attention.num_heads must be a positive integer, got {self.num_heads!r}."
+            )
+
+    def __call__(
+        self,
+        p: AttentionParams,
+        u: Float[Array, "*batch N d"],
+        key_mask: Bool[Array, "*batch N"] | None = None,
+    ) -> Float[Array, "*batch N d"]:
+        *batch, n, d = u.shape
+        heads = self.num_heads
+        if d % heads:
+            raise ValueError(
+                f"The feature width d={d} is not divisible by num_heads={heads}; each "
+                "head needs an equal feature sub-domain. Choose num_heads dividing d."
+            )
+        dh = d // heads
+        h_x, h_y = self.grid.h_x, self.grid.h_y
+
+        def split(z):  # (..., N, d) -> (..., H, N, dh)
+            return jnp.swapaxes(z.reshape(*batch, n, heads, dh), -2, -3)
+
+        q = split(_transform(u, p.wq, p.bq, h_y))
+        k = split(_transform(u, p.wk, p.bk, h_y))
+        v = split(_transform(u, p.wv, p.bv, h_y))
+        # <Q_h(x), K_h(x')> over the head's sub-domain, scaled by 1/sqrt(|Omega_y,h|).
+        scale = h_y / math.sqrt(dh * h_y)
+        s = jnp.einsum("...qc,...kc->...qk", q * scale, k)
+        keep = None
+        if self.causal:
+            keep = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), dtype=bool)), s.shape)
+        if key_mask is not None:
+            if key_mask.shape != (*batch, n):
+                raise ValueError(
+                    f"key_mask has shape {key_mask.shape}, expected {(*batch, n)} "
+                    "(the batch axes and the token axis of the state)."
+                )
+            km = jnp.broadcast_to(key_mask[..., None, None, :], s.shape)
+            keep = km if keep is None else jnp.logical_and(keep, km)
+        if keep is not None:
+            s = jnp.where(keep, s, jnp.finfo(s.dtype).min)
+        s = s - jnp.max(s, axis=-1, keepdims=True)
+        e = jnp.exp(s)
+        # Softmax normalised by the integral over Omega_x; h_x cancels against the
+        # quadrature of the outer x'-integral, but is kept so that the discretisation
+        # is the literal one (and its invariance is testable).
+        if h_x != 1.0:
+            gamma = e / (h_x * jnp.sum(e, axis=-1, keepdims=True))
+            z = h_x * jnp.einsum("...qk,...kc->...qc", gamma, v)
+        else:
+            gamma = e / jnp.sum(e, axis=-1, keepdims=True)
+            z = jnp.einsum("...qk,...kc->...qc", gamma, v)
+        z = jnp.swapaxes(z, -2, -3).reshape(*batch, n, d)
+        if p.wo is not None:
+            z = _transform(z, p.wo, None, h_y)
+        if p.bo is not None:
+            z = z + constant_in_x(p.bo, z.ndim)
+        return z
