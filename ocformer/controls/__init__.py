@@ -7,10 +7,20 @@ from ._control import (
     stack_layers as stack_layers,
     unstack_layers as unstack_layers,
 )
-from ._init import init_layer_params as init_layer_params, init_stacked_params as init_stacked_params
+from ._init import (
+    init_layer_params as init_layer_params,
+    init_stacked_params as init_stacked_params,
+)
+from ._make import CONTROL_KINDS as CONTROL_KINDS, make_control as make_control
 from ._params import (
     AttentionParams as AttentionParams,
     FeedForwardParams as FeedForwardParams,
     LayerParams as LayerParams,
     NormParams as NormParams,
+)
+from ._smooth import (
+    BASIS_FAMILIES as BASIS_FAMILIES,
+    Basis as Basis,
+    PiecewiseLinear as PiecewiseLinear,
+    basis_functions as basis_functions,
 )

@@ -27,6 +27,15 @@ class AbstractControl(eqx.Module):
     def __call__(self, t) -> LayerParams:
         """The controls at time t."""
 
+    @abc.abstractmethod
+    def derivative(self, t) -> LayerParams:
+        r"""$\dot\theta(t)$, with the structure of ``self(t)``.
+
+        Used by the control-smoothness cost $\int |\dot\theta|^2$ and by the
+        $\dot\sigma$ terms of the projected dynamics. Piecewise-constant controls
+        return zeros (the jumps sit on step boundaries and are not part of the flow).
+        """
+
     @property
     @abc.abstractmethod
     def interval(self) -> tuple[float, float]:
@@ -104,6 +113,9 @@ class PiecewiseConstant(AbstractControl):
             lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), self.values
         )
 
+    def derivative(self, t) -> LayerParams:
+        return jtu.tree_map(jnp.zeros_like, self(t))
+
 
 class Constant(AbstractControl):
     r"""Weight tying: $\theta(t) = \theta$ for all t (a Universal-Transformer-style loop).
@@ -140,6 +152,10 @@ class Constant(AbstractControl):
     def __call__(self, t) -> LayerParams:
         del t
         return self.value
+
+    def derivative(self, t) -> LayerParams:
+        del t
+        return jtu.tree_map(jnp.zeros_like, self.value)
 
 
 def stack_layers(layers: list[LayerParams]) -> LayerParams:

@@ -29,7 +29,7 @@ def _expected_shapes(d: int, d_ff: int) -> dict[str, tuple[tuple[int, ...], ...]
 
 
 def _check_layers(layers: Sequence[Mapping]) -> tuple[int, int]:
-    if isinstance(layers, Mapping) or not isinstance(layers, Sequence) or not layers:
+    if isinstance(layers, (Mapping, str)) or not isinstance(layers, Sequence) or not layers:
         raise ValueError(
             "`layers` must be a non-empty list with one dict of arrays per layer "
             f"(keys {', '.join(LAYER_KEYS)}); got {type(layers).__name__}."

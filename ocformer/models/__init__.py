@@ -1,3 +1,15 @@
 """Models: the continuous Transformer, embeddings and readouts."""
 
-from ._transformer import ContinuousTransformer as ContinuousTransformer
+from ._embedding import (
+    AbstractEmbedding as AbstractEmbedding,
+    PatchEmbedding as PatchEmbedding,
+    Readout as Readout,
+    TokenEmbedding as TokenEmbedding,
+)
+from ._sequence import SequenceModel as SequenceModel
+from ._transformer import (
+    FORMULATIONS as FORMULATIONS,
+    ContinuousTransformer as ContinuousTransformer,
+    refine as refine,
+    with_scheme as with_scheme,
+)

@@ -1,4 +1,4 @@
-"""Pointwise sub-steps of the feed-forward part.
+r"""Pointwise sub-steps of the feed-forward part.
 
 ReLU is the Euclidean projection onto the positive cone $S_2 = \{u \ge 0\}$, that is
 the resolvent of $\partial I_{S_2}$ for every step size. GELU is *not* a projection

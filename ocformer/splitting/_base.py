@@ -6,8 +6,10 @@ from typing import ClassVar
 
 import diffrax
 import equinox as eqx
+import jax.numpy as jnp
 from diffrax import RESULTS, AbstractTerm, LocalLinearInterpolation, MultiTerm
 from diffrax._term import WrapTerm  # not re-exported; the wrapper diffeqsolve applies
+from jaxtyping import Array
 
 from ..dynamics._terms import AbstractSplitTerm, sum_fields
 
@@ -46,8 +48,20 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
         """The order of the splitting with exact sub-flows."""
 
     @abc.abstractmethod
-    def compose(self, terms: tuple[AbstractSplitTerm, ...], theta, dt, y, args):
-        """One step of size dt from y with frozen controls theta."""
+    def compose(
+        self,
+        terms: tuple[AbstractSplitTerm, ...],
+        theta,
+        dt,
+        y,
+        args,
+        record: list | None = None,
+    ):
+        """One step of size dt from y with frozen controls theta.
+
+        If ``record`` is a list, the state after every sub-flow is appended to it (for
+        a parallel group: each branch, then their average), in the order computed.
+        """
 
     def order(self, terms) -> int:
         flows = [t.flow_order() for t in _split_terms(terms)]
@@ -67,6 +81,18 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
 
     def func(self, terms, t0, y0, args):
         return sum_fields(_split_terms(terms), args.control(t0), y0, args)
+
+    def substates(self, terms, t0, t1, y0, args) -> Array:
+        """The states after each sub-flow of the step from (t0, y0) to t1, stacked on a
+        new leading axis (the last one is the step's result).
+
+        This recomputes the step outside ``diffeqsolve`` (whose ``SaveAt`` sees only
+        whole steps); given the saved step states it is exact, and it vmaps over steps.
+        """
+        record: list = []
+        theta = args.control(0.5 * (t0 + t1))
+        self.compose(_split_terms(terms), theta, t1 - t0, y0, args, record=record)
+        return jnp.stack(record)
 
 
 def _split_terms(terms) -> tuple[AbstractSplitTerm, ...]:
@@ -104,9 +130,11 @@ class Lie(AbstractSplittingSolver):
     def splitting_order(self, num_terms: int) -> int:
         return 1
 
-    def compose(self, terms, theta, dt, y, args):
+    def compose(self, terms, theta, dt, y, args, record=None):
         for term in terms:
             y = term.flow(theta, dt, y, args)
+            if record is not None:
+                record.append(y)
         return y
 
 

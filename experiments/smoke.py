@@ -1,0 +1,35 @@
+"""Smoke test: a tiny causal model learns the copy task for a few seconds.
+
+Command:
+    python -m ocformer.train --config experiments/smoke.py --workdir runs/smoke
+
+Expected: finishes in under a minute on 2 CPU cores (most of it compilation); the
+validation loss falls from about 2.1 nats (ln 8 for a uniform guess over 8 symbols)
+to below 1.7 after 60 steps. The tests run it with fewer steps and change its fields
+with ``--set``; ``get_config("float64")`` gives the same run in double precision.
+"""
+
+from ocformer.config import (
+    Config,
+    ModelConfig,
+    OptimiserConfig,
+    TaskConfig,
+    TrainConfig,
+)
+
+
+def get_config(arg: str | None = None) -> Config:
+    return Config(
+        model=ModelConfig(
+            num_layers=2,
+            width=16,
+            num_heads=2,
+            hidden=32,
+            norm="pre",
+            activation="gelu",
+            dtype="float64" if arg == "float64" else "float32",
+        ),
+        optimiser=OptimiserConfig(name="adamw", learning_rate=3e-3, warmup_steps=5),
+        task=TaskConfig(name="copy", seq_len=16, vocab_size=8, batch_size=16, eval_batch_size=32),
+        train=TrainConfig(steps=60, seed=0, eval_every=20, checkpoint_every=20, log_every=1),
+    )

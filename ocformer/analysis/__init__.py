@@ -1,0 +1,13 @@
+"""Analysis used by notebooks and the ``python -m ocformer.analysis`` command:
+measured orders of convergence under refinement."""
+
+from ._convergence import (
+    STUDY_FORMULATIONS as STUDY_FORMULATIONS,
+    convergence_study as convergence_study,
+    fitted_slope as fitted_slope,
+    format_table as format_table,
+    plot_study as plot_study,
+    scheme_options as scheme_options,
+    study_input as study_input,
+    study_model as study_model,
+)

@@ -1,0 +1,12 @@
+"""Checkpoints: orbax saves committed by an atomically written marker."""
+
+from ._atomic import (
+    atomic_write_text as atomic_write_text,
+    remove_stale_temporaries as remove_stale_temporaries,
+)
+from ._manager import (
+    MARKER as MARKER,
+    CheckpointError as CheckpointError,
+    CheckpointManager as CheckpointManager,
+    NonFiniteCheckpointError as NonFiniteCheckpointError,
+)

@@ -1,0 +1,45 @@
+"""Atomic file replacement: a reader sees the old file or the new one, never a torn one."""
+
+import os
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace``.
+
+    ``os.replace`` is atomic on POSIX within one file system, so a process killed at any
+    moment leaves either the previous content or the new one; the temporary file (named
+    ``<path>.tmp-<pid>``) is removed by ``remove_stale_temporaries`` on the next start.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+
+
+def remove_stale_temporaries(directory: str) -> list[str]:
+    """Delete ``*.tmp-<pid>`` files left in ``directory`` by killed writers."""
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in os.listdir(directory):
+        if ".tmp-" in name and os.path.isfile(os.path.join(directory, name)):
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+    return removed

@@ -1,0 +1,204 @@
+"""Checkpoints with orbax, committed by a marker written last.
+
+A checkpoint is the directory ``step_<n>`` holding orbax's files and the commit marker
+``ocformer_checkpoint.json``. orbax writes into a temporary directory and renames it on
+finalisation; the marker is written after that, atomically (temporary file +
+``os.replace``). Only directories with a marker are ever restored, so a process killed
+at any moment of a save leaves at worst an incomplete directory, which the next start
+deletes. Old checkpoints are deleted marker first, for the same reason.
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+import jax.tree_util as jtu
+import numpy as np
+
+from ._atomic import atomic_write_text, remove_stale_temporaries
+
+MARKER = "ocformer_checkpoint.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A committed checkpoint that cannot be restored (corrupted, or written by a model
+    of a different shape). The command line reports it and exits with code 2."""
+
+
+class NonFiniteCheckpointError(ValueError):
+    """Refusal to write a checkpoint holding NaN or Inf values."""
+
+
+def _leaf_spec(tree) -> list[dict[str, Any]]:
+    leaves = jtu.tree_flatten_with_path(tree)[0]
+    return [
+        {"path": jtu.keystr(path), "shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype)}
+        for path, x in leaves
+    ]
+
+
+class CheckpointManager:
+    """Save and restore pytrees of arrays under ``directory``, keeping the newest ``keep``.
+
+    Args:
+        directory: where ``step_<n>`` directories live (created if missing).
+        keep: how many committed checkpoints to keep.
+    """
+
+    def __init__(self, directory: str, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}.")
+        self.directory = os.path.abspath(directory)
+        self.keep = keep
+        self._checkpointer = None
+
+    def _orbax(self):
+        if self._checkpointer is None:
+            import orbax.checkpoint as ocp
+
+            # The synchronous checkpointer: save returns after orbax has renamed its
+            # temporary directory, so the marker written next commits a finished save.
+            self._checkpointer = ocp.PyTreeCheckpointer()
+        return self._checkpointer
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.directory, f"step_{step}")
+
+    def clean(self) -> list[str]:
+        """Delete interrupted saves: orbax temporaries, step directories without a
+        marker, and temporary marker files. Returns the names removed."""
+        removed = []
+        if not os.path.isdir(self.directory):
+            return removed
+        for name in sorted(os.listdir(self.directory)):
+            full = os.path.join(self.directory, name)
+            if not os.path.isdir(full):
+                continue
+            committed = _STEP_DIR.match(name) and os.path.isfile(os.path.join(full, MARKER))
+            if name.startswith("step_") and not committed:
+                shutil.rmtree(full, ignore_errors=True)
+                removed.append(name)
+            elif committed:
+                remove_stale_temporaries(full)
+        return removed
+
+    def steps(self) -> list[int]:
+        """Committed checkpoint steps, ascending."""
+        if not os.path.isdir(self.directory):
+            return []
+        out = []
+        for name in os.listdir(self.directory):
+            m = _STEP_DIR.match(name)
+            if m and os.path.isfile(os.path.join(self.directory, name, MARKER)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, tree, metadata: dict | None = None) -> str:
+        """Write ``tree`` (a pytree of arrays) as the checkpoint of ``step`` and commit it.
+
+        Raises:
+            NonFiniteCheckpointError: if a floating leaf holds NaN or Inf (nothing is
+                written).
+        """
+        leaves, _ = jtu.tree_flatten(tree)
+        arrays = [np.asarray(x) for x in leaves]
+        spec = _leaf_spec(tree)
+        for s, a in zip(spec, arrays):
+            if np.issubdtype(a.dtype, np.inexact) and not np.all(np.isfinite(a)):
+                raise NonFiniteCheckpointError(
+                    f"refusing to write checkpoint step {step}: leaf {s['path']} holds "
+                    "NaN or Inf; the last finite checkpoint is kept."
+                )
+        os.makedirs(self.directory, exist_ok=True)
+        target = self.path(step)
+        if os.path.exists(target):
+            # An earlier save of this step: uncommitted leftovers or (after a resume
+            # from an older step) a committed one that is about to be superseded.
+            marker = os.path.join(target, MARKER)
+            if os.path.exists(marker):
+                os.remove(marker)
+            shutil.rmtree(target)
+        payload = {f"{i:06d}": a for i, a in enumerate(arrays)}
+        self._orbax().save(target, payload)
+        record = {
+            "step": step,
+            "time": time.time(),
+            "leaves": spec,
+            "metadata": metadata or {},
+        }
+        atomic_write_text(os.path.join(target, MARKER), json.dumps(record))
+        self._prune()
+        return target
+
+    def _prune(self) -> None:
+        steps = self.steps()
+        for step in steps[: max(0, len(steps) - self.keep)]:
+            path = self.path(step)
+            os.remove(os.path.join(path, MARKER))
+            shutil.rmtree(path, ignore_errors=True)
+
+    def read_marker(self, step: int) -> dict:
+        marker = os.path.join(self.path(step), MARKER)
+        try:
+            with open(marker, encoding="utf-8") as f:
+                record = json.load(f)
+            if not isinstance(record, dict) or "leaves" not in record:
+                raise ValueError("missing 'leaves'")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} is corrupted: its commit marker {MARKER} "
+                f"cannot be read ({e}). Delete that directory to resume from an earlier "
+                "checkpoint, or use a new work directory."
+            ) from None
+        return record
+
+    def restore(self, step: int, template):
+        """The checkpoint of ``step`` in the structure of ``template``.
+
+        Raises:
+            CheckpointError: if the checkpoint holds other shapes or dtypes than
+                ``template`` (a different model) or cannot be read (corrupted).
+        """
+        record = self.read_marker(step)
+        want = _leaf_spec(template)
+        have = record["leaves"]
+        path = self.path(step)
+        if len(have) != len(want):
+            raise CheckpointError(
+                f"checkpoint {path} holds {len(have)} arrays but the configured model and "
+                f"optimiser have {len(want)}: it was written by a different configuration. "
+                "Use a new --workdir, or the configuration that wrote it."
+            )
+        for h, w in zip(have, want):
+            if h["shape"] != w["shape"] or h["dtype"] != w["dtype"]:
+                raise CheckpointError(
+                    f"checkpoint {path} does not match the configured model: {w['path']} "
+                    f"is {h['dtype']}{h['shape']} in the checkpoint but {w['dtype']}"
+                    f"{w['shape']} in the configuration (a different model shape). Use a "
+                    "new --workdir, or the configuration that wrote it."
+                )
+        try:
+            payload = self._orbax().restore(path)
+            arrays = [np.asarray(payload[f"{i:06d}"]) for i in range(len(want))]
+        except Exception as e:  # orbax raises many kinds for damaged files
+            raise CheckpointError(
+                f"checkpoint {path} is corrupted: orbax cannot read it "
+                f"({type(e).__name__}: {str(e)[:300]}). Delete that directory to resume "
+                "from an earlier checkpoint, or use a new work directory."
+            ) from None
+        for a, w in zip(arrays, want):
+            if list(a.shape) != w["shape"] or str(a.dtype) != w["dtype"]:
+                raise CheckpointError(
+                    f"checkpoint {path} is corrupted: {w['path']} reads back as "
+                    f"{a.dtype}{list(a.shape)}, its marker says {w['dtype']}{w['shape']}."
+                )
+        treedef = jtu.tree_structure(template)
+        return jtu.tree_unflatten(treedef, arrays)

@@ -1,0 +1,140 @@
+"""Experiment files and ``--set`` overrides.
+
+An experiment file is a Python file with ``get_config(arg: str | None) -> Config``;
+``--config path.py:arg`` passes ``arg``. ``--set section.field=value`` parses ``value``
+by the field's declared type, so ``--set train.steps=1e3`` is refused rather than
+silently truncated.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import types
+import typing
+from typing import Any
+
+from ._schema import Config
+from ._validate import ConfigError, check_keys, field_types, section_class, validate
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_NONE = ("none", "null")
+
+
+def _parse_scalar(path: str, text: str, tp) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(tp)
+        if type(None) in args and text.strip().lower() in _NONE:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _parse_scalar(path, text, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(path, f"cannot parse {text!r} as {tp}".replace("typing.", ""))
+    if origin is tuple:
+        body = text.strip()
+        if body.startswith("(") and body.endswith(")"):
+            body = body[1:-1]
+        items = [s.strip() for s in body.split(",") if s.strip()]
+        (elem, *_) = typing.get_args(tp)
+        return tuple(_parse_scalar(path, s, elem) for s in items)
+    if tp is bool:
+        low = text.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(path, f"expected a bool (true/false), got {text!r}")
+    if tp is int:
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise ConfigError(path, f"expected an int, got {text!r}") from None
+    if tp is float:
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise ConfigError(path, f"expected a float, got {text!r}") from None
+    if tp is str:
+        return text
+    raise ConfigError(path, f"fields of type {tp} cannot be set from the command line")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"section.field=value"`` -> (dotted key, value parsed by the field's type)."""
+    if "=" not in text:
+        raise ConfigError(
+            "--set",
+            f"bad --set syntax {text!r}; expected section.field=value, e.g. "
+            "--set train.steps=100",
+        )
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    f = check_keys(key)
+    if f is None:
+        raise ConfigError(
+            key,
+            f"--set needs a field, not a whole section; e.g. --set {key}."
+            f"{dataclasses.fields(section_class(key))[0].name}=...",
+        )
+    section, name = key.split(".")
+    tp = field_types(section_class(section))[name]
+    return key, _parse_scalar(key, raw, tp)
+
+
+def apply_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """``config`` with every ``section.field=value`` override applied, in order."""
+    for text in overrides:
+        key, value = parse_override(text)
+        section, name = key.split(".")
+        updated = dataclasses.replace(getattr(config, section), **{name: value})
+        config = dataclasses.replace(config, **{section: updated})
+    return config
+
+
+def load_experiment(spec: str) -> Config:
+    """The ``Config`` of ``path/to/experiment.py[:arg]`` (not yet validated)."""
+    path, arg = spec, None
+    if ":" in spec:
+        head, tail = spec.rsplit(":", 1)
+        if head.endswith(".py"):
+            path, arg = head, tail
+    if not path.endswith(".py"):
+        raise ConfigError(
+            "--config", f"expected a Python experiment file path/to/name.py[:arg], got {spec!r}"
+        )
+    if not os.path.isfile(path):
+        raise ConfigError(
+            "--config",
+            f"experiment file {path!r} does not exist (cwd {os.getcwd()}); see experiments/ "
+            "for the available ones",
+        )
+    name = "ocformer_experiment_" + os.path.splitext(os.path.basename(path))[0]
+    spec_ = importlib.util.spec_from_file_location(name, path)
+    if spec_ is None or spec_.loader is None:
+        raise ConfigError("--config", f"cannot import {path!r} as a Python module")
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
+        raise ConfigError(
+            "--config", f"{path} defines no get_config(arg: str | None) -> Config"
+        )
+    config = get_config(arg)
+    if not isinstance(config, Config):
+        raise ConfigError(
+            "--config",
+            f"{path}: get_config returned {type(config).__name__}, expected "
+            "ocformer.config.Config",
+        )
+    return config
+
+
+def resolve(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load an experiment file, apply ``--set`` overrides and validate."""
+    return validate(apply_overrides(load_experiment(spec), overrides))

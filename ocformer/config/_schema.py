@@ -1,0 +1,213 @@
+"""The typed, frozen configuration of a training run.
+
+One schema, nine sections. Every field carries its allowed values (choices or a range)
+as dataclass metadata, so that validation, ``--set`` parsing and the documentation all
+read the same source. Nothing here imports JAX: a bad configuration is rejected before
+anything is traced or allocated.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _field(
+    default: Any,
+    doc: str,
+    *,
+    choices: tuple | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    meta = {"doc": doc, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The continuous Transformer: width, depth (the time horizon T) and its operators."""
+
+    num_layers: int = _field(2, "layers L: the time horizon T = L with unit layer steps", ge=1)
+    width: int = _field(32, "feature width d", ge=1)
+    num_heads: int = _field(2, "attention heads; must divide width", ge=1)
+    hidden: int = _field(64, "feed-forward hidden width d_ff", ge=1)
+    norm: str = _field("pre", "layer-norm position", choices=("pre", "post"))
+    activation: str = _field(
+        "gelu", "hidden pointwise sub-step", choices=("relu", "gelu", "gelu_tanh")
+    )
+    ln_eps: float = _field(1e-5, "layer-norm epsilon", ge=0.0)
+    final_norm: bool = _field(True, "project onto S1 at t = T (the final LayerNorm)")
+    formulation: str = _field(
+        "split",
+        "split equation, projected dynamics on S1, or Moreau-Yosida relaxation",
+        choices=("split", "projected", "relaxed"),
+    )
+    relaxation_eps: float = _field(1e-2, "epsilon of the relaxed formulation", gt=0.0)
+    dtype: str = _field("float32", "floating dtype of parameters", choices=("float32", "float64"))
+
+
+@dataclass(frozen=True)
+class SchemeConfig:
+    """How time is stepped: the splitting scheme and the number of sub-steps per layer."""
+
+    name: str = _field("lie", "splitting scheme (ocformer.splitting.SCHEMES)")
+    steps_per_layer: int = _field(1, "sub-steps per layer m (dt = 1/m); 1 is the Transformer", ge=1)
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """The diffrax solver and step-size control.
+
+    ``name="scheme"`` means the splitting scheme is the solver (the Transformer); any
+    other name is a diffrax solver for the smooth formulations (``ocformer.dynamics``).
+    """
+
+    name: str = _field("scheme", "'scheme' or a diffrax solver name (ocformer.dynamics.SOLVERS)")
+    stepsize: str = _field("constant", "step-size controller", choices=("constant", "pid"))
+    rtol: float = _field(1e-3, "relative tolerance of the PID controller", gt=0.0)
+    atol: float = _field(1e-6, "absolute tolerance of the PID controller", gt=0.0)
+    jump_ts: bool = _field(
+        True, "tell an adaptive controller where piecewise-constant controls jump"
+    )
+
+
+@dataclass(frozen=True)
+class ControlsConfig:
+    """theta(t): how the controls depend on time and how they are initialised."""
+
+    kind: str = _field(
+        "piecewise_constant",
+        "time dependence of theta",
+        choices=("piecewise_constant", "piecewise_linear", "basis", "constant"),
+    )
+    basis_size: int = _field(4, "coefficients K of a basis control", ge=1)
+    init_scale: float = _field(1.0, "multiplies every initial kernel's standard deviation", gt=0.0)
+    norm_affine: str = _field("feature", "layer-norm gain/bias shape", choices=("feature", "scalar"))
+
+
+@dataclass(frozen=True)
+class GradientConfig:
+    """How the gradient of the objective is obtained."""
+
+    method: str = _field(
+        "discretise_then_optimise",
+        "gradient method (ocformer.gradients.GRADIENT_METHODS)",
+        choices=("discretise_then_optimise", "optimise_then_discretise", "direct"),
+    )
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """Running-cost weights of the optimal-control objective and the control constraints."""
+
+    control_smoothness: float = _field(0.0, "weight of int |theta'(t)|^2 dt", ge=0.0)
+    control_size: float = _field(0.0, "weight of int |theta(t)|^2 dt", ge=0.0)
+    kinetic_energy: float = _field(0.0, "weight of int |u_t|^2 dt", ge=0.0)
+    sigma_floor: float = _field(1e-3, "lower bound on sigma2 (layer-norm scale)", ge=0.0)
+    kernel_norm: str | None = _field(
+        None, "norm bounded on every kernel", choices=(None, "frobenius", "spectral")
+    )
+    kernel_bound: float | None = _field(None, "bound on the kernel norm", gt=0.0)
+
+
+@dataclass(frozen=True)
+class OptimiserConfig:
+    """optax optimiser, learning-rate schedule and gradient clipping."""
+
+    name: str = _field("adamw", "optimiser", choices=("adamw", "adam", "sgd"))
+    learning_rate: float = _field(1e-3, "peak learning rate", gt=0.0)
+    schedule: str = _field("cosine", "warmup then cosine decay, or constant", choices=("cosine", "constant"))
+    warmup_steps: int = _field(0, "linear warmup steps", ge=0)
+    end_lr_ratio: float = _field(0.1, "final / peak learning rate of the cosine decay", ge=0.0, le=1.0)
+    weight_decay: float = _field(0.0, "decoupled weight decay (adamw)", ge=0.0)
+    b1: float = _field(0.9, "Adam beta1", ge=0.0, lt=1.0)
+    b2: float = _field(0.99, "Adam beta2", ge=0.0, lt=1.0)
+    momentum: float = _field(0.0, "SGD momentum (0: none)", ge=0.0, lt=1.0)
+    clip_norm: float | None = _field(1.0, "clip gradients to this global norm (None: off)", gt=0.0)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The data: which task, its sizes, and the batch sizes."""
+
+    name: str = _field(
+        "copy", "task (ocformer.tasks.TASKS)", choices=("shakespeare_char", "stdlib_char", "digits", "copy", "sort")
+    )
+    seq_len: int = _field(16, "tokens the transformer sees (language and sequence tasks)", ge=1)
+    vocab_size: int = _field(8, "symbols of the synthetic tasks (copy, sort)", ge=2)
+    patch_size: int = _field(4, "patch size of the image task", ge=1)
+    data_dir: str | None = _field(None, "directory holding the prepared corpus (default .data)")
+    fallback: str | None = _field(
+        None, "corpus used if Shakespeare is missing", choices=(None, "stdlib")
+    )
+    batch_size: int = _field(16, "training batch size", ge=1)
+    eval_batch_size: int = _field(32, "validation batch size", ge=1)
+    eval_batches: int = _field(4, "validation batches (a fixed set)", ge=1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: length, seeds, evaluation, checkpoints, faults."""
+
+    steps: int = _field(100, "optimiser updates", ge=0)
+    seed: int = _field(0, "seed of initialisation, data order and sampling", ge=0)
+    eval_every: int = _field(50, "evaluate on the validation set every this many steps", ge=1)
+    checkpoint_every: int = _field(50, "save a checkpoint every this many steps", ge=1)
+    keep_checkpoints: int = _field(3, "checkpoints kept (older ones deleted)", ge=1)
+    log_every: int = _field(1, "append a metrics line every this many steps", ge=1)
+    sample_tokens: int = _field(0, "characters sampled at each evaluation (language models)", ge=0)
+    sample_prompt: str = _field("\n", "prompt of the samples")
+    sample_temperature: float = _field(0.8, "sampling temperature", gt=0.0)
+    on_nonfinite: str = _field(
+        "abort", "what a NaN/Inf in loss or gradients does", choices=("abort", "skip")
+    )
+    preempt_grace_s: float = _field(
+        30.0, "after SIGTERM, seconds allowed to checkpoint before exiting anyway", gt=0.0
+    )
+    progress: bool = _field(True, "show a progress bar")
+    debug_nan_at_step: int | None = _field(
+        None, "testing: make the loss of this step NaN (1-based update index)", ge=1
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """A complete training run. Build it in an experiment file's ``get_config``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheme: SchemeConfig = field(default_factory=SchemeConfig)
+    solver: SolverConfig = field(default_factory=SolverConfig)
+    controls: ControlsConfig = field(default_factory=ControlsConfig)
+    gradient: GradientConfig = field(default_factory=GradientConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optimiser: OptimiserConfig = field(default_factory=OptimiserConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def to_dict(config: Config) -> dict:
+    """The configuration as nested plain data (tuples become lists), for JSON."""
+    return dataclasses.asdict(config)
+
+
+def from_dict(data: dict) -> Config:
+    """The inverse of ``to_dict`` (unknown keys raise ``ConfigError``)."""
+    from ._validate import ConfigError, check_keys
+
+    if not isinstance(data, dict):
+        raise ConfigError("", f"a configuration must be a mapping, got {type(data).__name__}")
+    sections = {}
+    for name, value in data.items():
+        check_keys(name)
+        cls = type(getattr(Config(), name))
+        if not isinstance(value, dict):
+            raise ConfigError(name, f"must be a mapping of fields, got {type(value).__name__}")
+        for key in value:
+            check_keys(f"{name}.{key}")
+        sections[name] = cls(**value)
+    return Config(**sections)

@@ -1,0 +1,175 @@
+"""Embeddings (the initial state f(x, y) = u(x, y, 0)) and readouts of u(T)."""
+
+import abc
+import math
+from typing import Literal
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import Array, Float, Int
+
+from ..operators import constant_in_x
+
+Pooling = Literal["none", "cls"]
+
+
+class AbstractEmbedding(eqx.Module):
+    """Builds the initial state $u(\\cdot, \\cdot, 0) = f$ from a batch of inputs."""
+
+    @abc.abstractmethod
+    def __call__(self, inputs) -> Float[Array, "B N d"]:
+        """The initial state of a batch, shape (B, N, d)."""
+
+    @property
+    @abc.abstractmethod
+    def seq_len(self) -> int:
+        """The largest number of tokens the embedding produces (positions it knows)."""
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+class TokenEmbedding(AbstractEmbedding):
+    r"""$f(x_i, \cdot) = E[s_i] + P[i]$: a symbol table plus learned positions.
+
+    Both tables start as N(0, 1) draws (separate keys), so that tokens have O(1)
+    features with non-zero variance, the regime of the layer-norm projection.
+
+    Args:
+        vocab_size: number of symbols.
+        seq_len: number of positions.
+        width: d, the feature width.
+        key: a ``jax.random`` key.
+        dtype: floating dtype of the tables.
+    """
+
+    tokens: Float[Array, "V d"]
+    positions: Float[Array, "N d"]
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int, *, key, dtype=None):
+        _check_positive(vocab_size=vocab_size, seq_len=seq_len, width=width)
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        k_tok, k_pos = jr.split(key)
+        self.tokens = jr.normal(k_tok, (vocab_size, width), dtype)
+        self.positions = jr.normal(k_pos, (seq_len, width), dtype)
+
+    @property
+    def seq_len(self) -> int:
+        return self.positions.shape[0]
+
+    def __call__(self, inputs: Int[Array, "B N"]) -> Float[Array, "B N d"]:
+        if inputs.ndim != 2 or inputs.shape[1] > self.seq_len:
+            raise ValueError(
+                f"TokenEmbedding takes symbol ids of shape (B, N) with N <= {self.seq_len}, "
+                f"got shape {inputs.shape}."
+            )
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"TokenEmbedding takes integer symbol ids, got {inputs.dtype}.")
+        n = inputs.shape[1]
+        return self.tokens[inputs] + self.positions[None, :n]
+
+
+class PatchEmbedding(AbstractEmbedding):
+    r"""ViT-style: $f = [c;\ \mathrm{patches}(I)\,W + b] + P$.
+
+    Non-overlapping ``patch_size`` x ``patch_size`` patches are flattened and mapped
+    linearly to d features; a learned class token $c$ is prepended and learned
+    positions $P$ added. The class token's final state is what a ``Readout`` with
+    ``pooling="cls"`` reads.
+
+    Args:
+        input_shape: ``(H, W)`` or ``(H, W, C)`` of one image.
+        patch_size: side of the square patches; must divide H and W.
+        width: d.
+        key: a ``jax.random`` key.
+        dtype: floating dtype of the parameters.
+    """
+
+    weight: Float[Array, "p d"]
+    bias: Float[Array, " d"]
+    cls_token: Float[Array, " d"]
+    positions: Float[Array, "N d"]
+    input_shape: tuple[int, ...] = eqx.field(static=True)
+    patch_size: int = eqx.field(static=True)
+
+    def __init__(self, input_shape, patch_size: int, width: int, *, key, dtype=None):
+        input_shape = tuple(int(s) for s in input_shape)
+        if len(input_shape) not in (2, 3):
+            raise ValueError(f"input_shape must be (H, W) or (H, W, C), got {input_shape}.")
+        _check_positive(patch_size=patch_size, width=width)
+        height, width_px = input_shape[:2]
+        if height % patch_size or width_px % patch_size:
+            raise ValueError(
+                f"patch_size={patch_size} must divide the image sides {height} x {width_px}."
+            )
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        channels = input_shape[2] if len(input_shape) == 3 else 1
+        fan_in = patch_size * patch_size * channels
+        num_tokens = (height // patch_size) * (width_px // patch_size) + 1
+        k_w, k_cls, k_pos = jr.split(key, 3)
+        self.weight = jr.normal(k_w, (fan_in, width), dtype) / math.sqrt(fan_in)
+        self.bias = jnp.zeros((width,), dtype)
+        self.cls_token = jr.normal(k_cls, (width,), dtype)
+        self.positions = jr.normal(k_pos, (num_tokens, width), dtype)
+        self.input_shape = input_shape
+        self.patch_size = patch_size
+
+    @property
+    def seq_len(self) -> int:
+        return self.positions.shape[0]
+
+    def patches(self, images: Float[Array, "B ..."]) -> Float[Array, "B P p"]:
+        """Flattened non-overlapping patches in row-major patch order."""
+        if tuple(images.shape[1:]) != self.input_shape:
+            raise ValueError(
+                f"PatchEmbedding expects images of shape (B, {', '.join(map(str, self.input_shape))}), "
+                f"got {images.shape}."
+            )
+        batch = images.shape[0]
+        p = self.patch_size
+        x = images.reshape(batch, *self.input_shape[:2], -1)
+        h, w, c = x.shape[1] // p, x.shape[2] // p, x.shape[3]
+        x = x.reshape(batch, h, p, w, p, c).transpose(0, 1, 3, 2, 4, 5)
+        return x.reshape(batch, h * w, p * p * c)
+
+    def __call__(self, inputs: Float[Array, "B ..."]) -> Float[Array, "B N d"]:
+        tokens = self.patches(inputs.astype(self.weight.dtype)) @ self.weight
+        tokens = tokens + constant_in_x(self.bias, tokens.ndim)
+        cls = jnp.broadcast_to(self.cls_token, (tokens.shape[0], 1, tokens.shape[2]))
+        return jnp.concatenate([cls, tokens], axis=1) + self.positions[None]
+
+
+class Readout(eqx.Module):
+    r"""The head $g(u(T)) = u(T)\,W + b$, per token or of the class token.
+
+    Args:
+        width: d.
+        num_outputs: symbols (LM) or classes.
+        key: a ``jax.random`` key.
+        pooling: ``"none"`` (logits for every token, language modelling) or ``"cls"``
+            (logits of token 0, the class token).
+        dtype: floating dtype of the parameters.
+    """
+
+    weight: Float[Array, "d K"]
+    bias: Float[Array, " K"]
+    pooling: Pooling = eqx.field(static=True)
+
+    def __init__(self, width: int, num_outputs: int, *, key, pooling: Pooling = "none", dtype=None):
+        _check_positive(width=width, num_outputs=num_outputs)
+        if pooling not in ("none", "cls"):
+            raise ValueError(f"pooling must be 'none' or 'cls', got {pooling!r}.")
+        dtype = jnp.zeros(()).dtype if dtype is None else dtype
+        self.weight = jr.normal(key, (width, num_outputs), dtype) / math.sqrt(width)
+        self.bias = jnp.zeros((num_outputs,), dtype)
+        self.pooling = pooling
+
+    def __call__(self, u: Float[Array, "B N d"]) -> Float[Array, "B *N K"]:
+        if self.pooling == "cls":
+            u = u[:, 0]
+        out = u @ self.weight
+        return out + constant_in_x(self.bias, out.ndim)

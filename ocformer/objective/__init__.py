@@ -1,0 +1,13 @@
+"""The optimal-control objective: terminal cost, running costs, constraints."""
+
+from ._constraints import (
+    Constraints as Constraints,
+    project_frobenius as project_frobenius,
+    project_spectral as project_spectral,
+)
+from ._objective import Objective as Objective, cross_entropy as cross_entropy
+from ._running import (
+    control_size as control_size,
+    control_smoothness as control_smoothness,
+    kinetic_energy as kinetic_energy,
+)

@@ -1,0 +1,94 @@
+"""The optimal-control objective: terminal cost plus weighted running costs."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ..models._sequence import SequenceModel
+from ._running import control_size, control_smoothness, kinetic_energy
+
+
+def cross_entropy(
+    logits: Float[Array, "*b K"], targets: Int[Array, "*b"]
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """Mean cross-entropy and accuracy over the entries whose target is >= 0.
+
+    A target of -1 marks a position the task does not score (the synthetic tasks' random
+    source symbols); an all-ignored batch gives 0, never NaN.
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {logits.shape} and targets {targets.shape} disagree: targets must have "
+            "the logits' shape without the last (class) axis."
+        )
+    valid = targets >= 0
+    safe = jnp.where(valid, targets, 0)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    picked = jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+    weight = valid.astype(logp.dtype)
+    count = jnp.maximum(jnp.sum(weight), 1.0)
+    loss = -jnp.sum(picked * weight) / count
+    hits = (jnp.argmax(logits, axis=-1) == safe).astype(logp.dtype)
+    return loss, jnp.sum(hits * weight) / count
+
+
+class Objective(eqx.Module):
+    r"""$J(\theta) = \mathbb{E}[\ell(g(u(T)), y)] + \int_0^T L(\theta(t), u(t))\,dt$.
+
+    $$L = \alpha\,|\theta'(t)|^2 + \beta\,|\theta(t)|^2 + \kappa\,|u_t|^2.$$
+
+    The terminal cost $\ell$ is the mean cross-entropy of the task: every scored
+    position of a causal language model, or the class token's logits. The running
+    costs are integrals over $[t_0, t_1]$ by quadrature on the time grid (see
+    ``control_smoothness``, ``control_size``, ``kinetic_energy``). The weights are
+    configuration, fixed at trace time: a zero weight costs nothing, and the kinetic
+    energy (one extra forward solve for the trajectory) is computed and reported only
+    when its weight is positive.
+
+    Args:
+        control_smoothness: $\alpha \ge 0$.
+        control_size: $\beta \ge 0$.
+        kinetic_energy: $\kappa \ge 0$.
+
+    ``__call__(model, batch)`` returns ``(loss, metrics)`` with metrics ``loss``,
+    ``task_loss``, ``accuracy``, ``control_smoothness``, ``control_size`` and, when
+    $\kappa > 0$, ``kinetic_energy`` (unweighted values).
+    """
+
+    control_smoothness: float = eqx.field(default=0.0, static=True)
+    control_size: float = eqx.field(default=0.0, static=True)
+    kinetic_energy: float = eqx.field(default=0.0, static=True)
+
+    def __check_init__(self):
+        for name in ("control_smoothness", "control_size", "kinetic_energy"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(
+                    f"Objective.{name} is a running-cost weight and must be a number >= 0, "
+                    f"got {value!r}."
+                )
+
+    def __call__(self, model: SequenceModel, batch: dict) -> tuple[Float[Array, ""], dict]:
+        inputs, targets = batch["inputs"], jnp.asarray(batch["targets"])
+        key_mask = batch.get("key_mask")
+        transformer = model.transformer
+        u0 = model.initial_state(inputs)
+        logits = model.readout(transformer(u0, key_mask))
+        task_loss, accuracy = cross_entropy(logits, targets)
+        m = transformer.steps_per_layer
+        smooth = control_smoothness(transformer.control, m)
+        size = control_size(transformer.control, m)
+        loss = task_loss + self.control_smoothness * smooth + self.control_size * size
+        metrics = {
+            "task_loss": task_loss,
+            "accuracy": accuracy,
+            "control_smoothness": smooth,
+            "control_size": size,
+        }
+        if self.kinetic_energy > 0:
+            kinetic = kinetic_energy(transformer, u0, key_mask)
+            loss = loss + self.kinetic_energy * kinetic
+            metrics["kinetic_energy"] = kinetic
+        metrics["loss"] = loss
+        return loss, metrics

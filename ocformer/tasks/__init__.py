@@ -1,0 +1,11 @@
+"""Tasks: offline data as pure functions (split, index, batch_size, seed) -> batch."""
+
+from ._base import AbstractTask as AbstractTask, DataNotFoundError as DataNotFoundError
+from ._corpus import (
+    SHAKESPEARE_SHA256 as SHAKESPEARE_SHA256,
+    default_data_dir as default_data_dir,
+)
+from ._digits import Digits as Digits
+from ._registry import TASKS as TASKS, make_task as make_task
+from ._synthetic import CopyTask as CopyTask, SortTask as SortTask
+from ._text import PythonStdlibChar as PythonStdlibChar, ShakespeareChar as ShakespeareChar

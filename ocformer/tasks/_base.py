@@ -1,0 +1,65 @@
+"""The task interface: a deterministic stream of batches and a fixed validation set."""
+
+import abc
+from typing import ClassVar, Literal
+
+import numpy as np
+
+TaskKind = Literal["lm", "classification"]
+SPLITS: tuple[str, ...] = ("train", "validation")
+# A number per split, mixed into the batch seed so that the two splits never share a
+# random stream even when (index, seed) coincide.
+_SPLIT_CODE = {"train": 0, "validation": 1}
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data file that a task needs is not on disk (run ``make data`` to fetch it)."""
+
+
+def check_split(split: str) -> int:
+    if split not in _SPLIT_CODE:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}.")
+    return _SPLIT_CODE[split]
+
+
+def check_batch_args(index: int, batch_size: int, seed: int) -> None:
+    for name, value, low in (("index", index, 0), ("batch_size", batch_size, 1), ("seed", seed, 0)):
+        if not (isinstance(value, (int, np.integer)) and value >= low):
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+
+
+def batch_rng(split: str, index: int, seed: int) -> np.random.Generator:
+    """The generator of batch ``index`` of ``split``: seeded by (seed, split, index) alone,
+    so a batch is a pure function of its arguments and a resumed run sees the same data."""
+    return np.random.default_rng([int(seed), check_split(split), int(index)])
+
+
+class AbstractTask(abc.ABC):
+    """A learning task as a pure function from (split, index, batch_size, seed) to a batch.
+
+    Attributes:
+        kind: ``"lm"`` (next-symbol prediction, causal) or ``"classification"``.
+        vocab_size: number of symbols (LM tasks), else None.
+        num_classes: number of classes (classification tasks), else None.
+        seq_len: the number of tokens the transformer sees.
+
+    LM batches are ``{"inputs": int32 (B, seq_len), "targets": int32 (B, seq_len)}``;
+    a target of -1 is ignored by the loss (positions whose next symbol is not
+    determined by the task). Classification batches are ``{"inputs": float32 (B, ...),
+    "targets": int32 (B,)}``.
+    """
+
+    kind: ClassVar[TaskKind]
+    vocab_size: int | None
+    num_classes: int | None
+    seq_len: int
+
+    @abc.abstractmethod
+    def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+        """Batch ``index`` of ``split``; the same arguments always give the same arrays."""
+
+    def eval_batches(self, batch_size: int, num_batches: int, seed: int = 0) -> list[dict]:
+        """A fixed validation set: batches 0 .. num_batches - 1 of the validation split."""
+        if not (isinstance(num_batches, int) and num_batches >= 1):
+            raise ValueError(f"num_batches must be an integer >= 1, got {num_batches!r}.")
+        return [self.batch("validation", i, batch_size, seed) for i in range(num_batches)]

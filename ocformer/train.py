@@ -1,0 +1,79 @@
+"""Command line: ``python -m ocformer.train --config experiments/<name>.py[:arg] --workdir DIR``.
+
+A thin wrapper over ``ocformer.training.train``; the only module that reads ``argv``.
+Re-running the same command resumes from the last committed checkpoint in DIR.
+
+Exit codes (``ocformer.training.ExitCode``): 0 done, 1 unexpected error, 2 bad
+configuration or input, 3 solver failure, 4 non-finite values (abort), 143 preempted by
+SIGTERM (checkpoint written).
+"""
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ocformer.train",
+        description="Train a continuous Transformer as an optimal-control problem.",
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE.py[:ARG]",
+        help="experiment file defining get_config(arg) -> ocformer.config.Config",
+    )
+    p.add_argument(
+        "--workdir", required=True, metavar="DIR", help="output directory (re-use to resume)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config field (repeatable), e.g. --set train.steps=200",
+    )
+    return p
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"ocformer.train: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _parser().parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .config import ConfigError, resolve
+    from .training import ExitCode, TrainingError
+
+    try:
+        config = resolve(args.config, args.overrides)
+    except ConfigError as e:
+        return _fail(ExitCode.USAGE, str(e))
+    if config.model.dtype == "float64":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    from .training import train
+
+    command = [sys.executable, "-m", "ocformer.train", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        train(config, args.workdir, argv=command)
+    except ConfigError as e:
+        return _fail(ExitCode.USAGE, str(e))
+    except CheckpointError as e:
+        return _fail(ExitCode.USAGE, str(e))
+    except FileNotFoundError as e:  # ocformer.tasks.DataNotFoundError and its kin
+        return _fail(ExitCode.USAGE, str(e))
+    except TrainingError as e:
+        return _fail(e.exit_code, f"{type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+        return _fail(130, "interrupted")
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(int(main()))

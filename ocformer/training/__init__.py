@@ -1,0 +1,19 @@
+"""Training: the loop, its compiled steps, metrics, and the named outcomes of a run."""
+
+from ._build import (
+    Experiment as Experiment,
+    build as build,
+    build_model as build_model,
+    build_task as build_task,
+)
+from ._errors import (
+    ExitCode as ExitCode,
+    NonFiniteError as NonFiniteError,
+    Preempted as Preempted,
+    SolverFailure as SolverFailure,
+    TrainingError as TrainingError,
+)
+from ._loop import train as train
+from ._metrics import MetricsLog as MetricsLog
+from ._optimiser import make_optimiser as make_optimiser, make_schedule as make_schedule
+from ._step import make_eval_step as make_eval_step, make_train_step as make_train_step

@@ -1,0 +1,185 @@
+"""From a validated ``Config`` to the objects of a run: task, model, objective,
+constraints, gradient method and optimiser."""
+
+import dataclasses
+from typing import Any
+
+import diffrax
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+
+from .. import controls, dynamics
+from ..config import Config, ConfigError
+from ..config._validate import scheme_classes
+from ..controls import NormParams
+from ._optimiser import make_optimiser
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """Everything a training loop needs, built from one configuration.
+
+    Attributes:
+        config: the validated configuration.
+        task: the ``ocformer.tasks.AbstractTask``.
+        model: the initial ``SequenceModel``, already prepared by the gradient method.
+        objective: the ``ocformer.objective.Objective`` (terminal + running costs).
+        constraints: the ``ocformer.objective.Constraints`` projected after each update.
+        gradient: the gradient method (``ocformer.gradients``).
+        optimiser: the optax transformation.
+        schedule: learning rate by step.
+    """
+
+    config: Config
+    task: Any
+    model: Any
+    objective: Any
+    constraints: Any
+    gradient: Any
+    optimiser: optax.GradientTransformation
+    schedule: optax.Schedule
+
+
+def _task_kwargs(config: Config) -> dict:
+    t = config.task
+    per_task = {
+        "shakespeare_char": {"seq_len": t.seq_len, "data_dir": t.data_dir, "fallback": t.fallback},
+        "stdlib_char": {"seq_len": t.seq_len},
+        "digits": {"patch_size": t.patch_size},
+        "copy": {"seq_len": t.seq_len, "vocab_size": t.vocab_size},
+        "sort": {"seq_len": t.seq_len, "vocab_size": t.vocab_size},
+    }
+    return per_task[t.name]
+
+
+def build_task(config: Config):
+    """The task of ``config``; a task's own refusal becomes a ``ConfigError``."""
+    from ..tasks import make_task
+
+    try:
+        return make_task(config.task.name, **_task_kwargs(config))
+    except FileNotFoundError:
+        raise  # DataNotFoundError: reported as such, with its fix
+    except ValueError as e:
+        raise ConfigError(f"task ({config.task.name})", str(e)) from None
+
+
+def _dtype(config: Config):
+    if config.model.dtype == "float64" and not jax.config.read("jax_enable_x64"):
+        raise ConfigError(
+            "model.dtype",
+            "float64 needs 64-bit JAX: set JAX_ENABLE_X64=1 (the command line does this "
+            "for you) or jax.config.update('jax_enable_x64', True)",
+        )
+    return jnp.dtype(config.model.dtype)
+
+
+def _solver(config: Config):
+    if config.solver.name == "scheme":
+        return scheme_classes()[config.scheme.name]()
+    return dynamics.solver_by_name(config.solver.name)
+
+
+def build_transformer(config: Config, key, *, causal: bool):
+    """The ``ContinuousTransformer`` of ``config`` with freshly initialised controls."""
+    from ..models import ContinuousTransformer
+
+    m, c = config.model, config.controls
+    dtype = _dtype(config)
+    control = controls.make_control(
+        c.kind,
+        key,
+        num_layers=m.num_layers,
+        width=m.width,
+        hidden=m.hidden,
+        num_basis=c.basis_size,
+        norm_affine=c.norm_affine,
+        init_scale=c.init_scale,
+        dtype=dtype,
+    )
+    final = None
+    if m.final_norm:
+        shape = (m.width,) if c.norm_affine == "feature" else ()
+        final = NormParams(scale=jnp.ones(shape, dtype), bias=jnp.zeros(shape, dtype))
+    kwargs: dict[str, Any] = dict(
+        norm=m.norm,
+        num_heads=m.num_heads,
+        causal=causal,
+        activation=m.activation,
+        ln_eps=m.ln_eps,
+        final_norm=final,
+        solver=_solver(config),
+        steps_per_layer=config.scheme.steps_per_layer,
+    )
+    # Options of the smooth formulations and of adaptive stepping are passed only where
+    # they mean something, so that the split/constant-step model stays the plain one.
+    if m.formulation != "split":
+        kwargs["formulation"] = m.formulation
+    if m.formulation == "relaxed":
+        kwargs["relaxation_eps"] = m.relaxation_eps
+    sc = config.solver
+    if sc.stepsize == "pid":
+        kwargs.update(rtol=sc.rtol, atol=sc.atol)
+        # The transformer's own "pid" steps onto every jump of the control; without
+        # jump_ts it is a plain PID controller (validation allows that only for
+        # controls whose kinks, not jumps, would be stepped over).
+        kwargs["stepsize"] = "pid" if sc.jump_ts else diffrax.PIDController(rtol=sc.rtol, atol=sc.atol)
+    try:
+        return ContinuousTransformer(control, **kwargs)
+    except ValueError as e:
+        raise ConfigError("solver.name", str(e)) from None
+
+
+def build_model(config: Config, task, key):
+    """Embedding, transformer and readout for ``task`` (not yet prepared)."""
+    from ..models import PatchEmbedding, Readout, SequenceModel, TokenEmbedding
+
+    m = config.model
+    dtype = _dtype(config)
+    k_embed, k_control, k_read = jr.split(key, 3)
+    if task.kind == "lm":
+        embedding = TokenEmbedding(task.vocab_size, task.seq_len, m.width, key=k_embed, dtype=dtype)
+        readout = Readout(m.width, task.vocab_size, key=k_read, pooling="none", dtype=dtype)
+    else:
+        example = task.batch("train", 0, 1, config.train.seed)["inputs"]
+        embedding = PatchEmbedding(
+            example.shape[1:], config.task.patch_size, m.width, key=k_embed, dtype=dtype
+        )
+        readout = Readout(m.width, task.num_classes, key=k_read, pooling="cls", dtype=dtype)
+    transformer = build_transformer(config, k_control, causal=task.kind == "lm")
+    return SequenceModel(embedding, transformer, readout)
+
+
+def build(config: Config, task=None) -> Experiment:
+    """Build the run's objects from a validated ``config``.
+
+    The random initialisation depends on ``train.seed`` only.
+
+    Raises:
+        ConfigError: a combination that the library refuses at build time (e.g. a
+            gradient method that cannot differentiate the chosen scheme).
+        ocformer.tasks.DataNotFoundError: the task's data is not on disk.
+    """
+    from ..gradients import GRADIENT_METHODS
+    from ..objective import Constraints, Objective
+
+    task = build_task(config) if task is None else task
+    model = build_model(config, task, jr.key(config.train.seed))
+    gradient = GRADIENT_METHODS[config.gradient.method]()
+    try:
+        model = gradient.prepare(model)
+    except ValueError as e:
+        raise ConfigError("gradient.method", str(e)) from None
+    o = config.objective
+    objective = Objective(
+        control_smoothness=o.control_smoothness,
+        control_size=o.control_size,
+        kinetic_energy=o.kinetic_energy,
+    )
+    constraints = Constraints(
+        sigma_floor=o.sigma_floor, kernel_norm=o.kernel_norm, kernel_bound=o.kernel_bound
+    )
+    optimiser, schedule = make_optimiser(config.optimiser, config.train.steps)
+    return Experiment(config, task, model, objective, constraints, gradient, optimiser, schedule)

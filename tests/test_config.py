@@ -1,0 +1,209 @@
+"""The configuration schema: typed overrides, validation messages, and the bad-input table.
+
+Every bad input is refused with exit code 2 (command line) or ``ConfigError`` (library),
+with a message that names the field and what is allowed, before anything is built.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import time
+
+import pytest
+
+from ocformer import train as cli
+from ocformer.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    load_experiment,
+    parse_override,
+    resolve,
+    to_dict,
+    validate,
+)
+from ocformer.training import ExitCode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+EXPERIMENTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+
+
+def test_every_experiment_file_validates():
+    names = {os.path.basename(p) for p in EXPERIMENTS}
+    assert {"smoke.py", "shakespeare_char.py", "digits_vit.py"} <= names
+    for path in EXPERIMENTS:
+        config = resolve(path)
+        assert isinstance(config, Config)
+        # Each file documents how to run it and what it should give.
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        assert "python -m ocformer.train --config experiments/" in text
+        assert "Expected" in text
+
+
+def test_overrides_are_parsed_by_field_type():
+    c = apply_overrides(
+        Config(),
+        [
+            "model.num_layers=3",
+            "optimiser.learning_rate=2.5e-4",
+            "model.final_norm=false",
+            "objective.kernel_norm=spectral",
+            "objective.kernel_bound=2",
+            "optimiser.clip_norm=none",
+            "train.debug_nan_at_step=7",
+            "train.sample_prompt=ROMEO: x=1",
+        ],
+    )
+    assert c.model.num_layers == 3 and type(c.model.num_layers) is int
+    assert c.optimiser.learning_rate == 2.5e-4
+    assert c.model.final_norm is False
+    assert c.objective.kernel_norm == "spectral" and c.objective.kernel_bound == 2.0
+    assert c.optimiser.clip_norm is None
+    assert c.train.debug_nan_at_step == 7
+    assert c.train.sample_prompt == "ROMEO: x=1"  # only the first '=' splits
+    validate(c)
+    # Unchanged sections are the same objects: overrides touch only what they name.
+    assert c.task is Config().task or c.task == Config().task
+
+
+def test_config_round_trips_through_json():
+    c = apply_overrides(resolve(SMOKE), ["objective.kernel_norm=frobenius", "objective.kernel_bound=3"])
+    again = from_dict(json.loads(json.dumps(to_dict(c))))
+    assert again == c
+
+
+def test_unknown_field_suggests_the_nearest():
+    with pytest.raises(ConfigError) as e:
+        parse_override("model.num_layer=3")
+    msg = str(e.value)
+    assert e.value.field == "model.num_layer"
+    assert "did you mean model.num_layers?" in msg
+    assert "allowed:" in msg and "model.width" in msg
+
+
+# (overrides, dotted field expected in the message, words the message must contain)
+BAD_CONFIGS = [
+    (["model.num_layer=3"], "model.num_layer", "did you mean model.num_layers"),
+    (["modle.width=3"], "modle.width", "did you mean model"),
+    (["train.steps=ten"], "train.steps", "expected an int"),
+    (["train.steps=1e3"], "train.steps", "expected an int"),
+    (["model.final_norm=maybe"], "model.final_norm", "expected a bool"),
+    (["optimiser.learning_rate=fast"], "optimiser.learning_rate", "expected a float"),
+    (["model.width=-4"], "model.width", ">= 1"),
+    (["task.batch_size=0"], "task.batch_size", ">= 1"),
+    (["optimiser.learning_rate=0"], "optimiser.learning_rate", "> 0"),
+    (["optimiser.b2=1.0"], "optimiser.b2", "< 1"),
+    (["model.width=30", "model.num_heads=4"], "model.num_heads", "must divide model.width=30"),
+    (["scheme.name=verlet"], "scheme.name", "allowed: lie"),
+    (["solver.name=rk99"], "solver.name", "allowed: 'scheme'"),
+    (["task.name=imagenet"], "task.name", "allowed: 'shakespeare_char'"),
+    (["model.norm=middle"], "model.norm", "allowed: 'pre', 'post'"),
+    (["optimiser.name=lion"], "optimiser.name", "'adamw'"),
+    (["train.on_nonfinite=ignore"], "train.on_nonfinite", "'abort', 'skip'"),
+    (
+        ["solver.name=tsit5", "solver.stepsize=pid", "solver.jump_ts=false"],
+        "solver.jump_ts",
+        "jump times",
+    ),
+    (["solver.stepsize=pid"], "solver.stepsize", "error estimate"),
+    (["gradient.method=optimise_then_discretise"], "gradient.method", "splitting scheme"),
+    (["gradient.method=backprop"], "gradient.method", "allowed"),
+    (["model.norm=post", "solver.name=tsit5"], "solver.name", "smooth vector field"),
+    (["model.formulation=relaxed"], "model.formulation", "smooth limit of post-LN"),
+    (["objective.kernel_norm=spectral"], "objective.kernel_bound", "go together"),
+    (["train.debug_nan_at_step=500", "train.steps=10"], "train.debug_nan_at_step", "after the last"),
+    (["train.steps"], "--set", "bad --set syntax"),
+    (["model=3"], "model", "not a whole section"),
+    (["a.b.c=1"], "a.b.c", "malformed key"),
+]
+
+
+@pytest.mark.parametrize("overrides, field, words", BAD_CONFIGS, ids=[" ".join(b[0]) for b in BAD_CONFIGS])
+def test_bad_config_is_refused_by_name(overrides, field, words, tmp_path, capsys):
+    with pytest.raises(ConfigError) as e:
+        resolve(SMOKE, overrides)
+    assert e.value.field == field
+    assert words in str(e.value)
+    # The command line: exit code 2, the same message, and no work directory made.
+    workdir = tmp_path / "run"
+    argv = ["--config", SMOKE, "--workdir", str(workdir)]
+    for o in overrides:
+        argv += ["--set", o]
+    assert cli.main(argv) == ExitCode.USAGE == 2
+    err = capsys.readouterr().err
+    assert words in err and field in err
+    assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("experiments/no_such_experiment.py", "does not exist"),
+        ("experiments/smoke.txt", "expected a Python experiment file"),
+        ("{tmp}/no_get_config.py", "defines no get_config"),
+        ("{tmp}/wrong_type.py", "get_config returned dict"),
+    ],
+)
+def test_bad_experiment_file(spec, words, tmp_path, capsys):
+    (tmp_path / "no_get_config.py").write_text("X = 1\n")
+    (tmp_path / "wrong_type.py").write_text("def get_config(arg):\n    return {}\n")
+    spec = spec.format(tmp=tmp_path)
+    with pytest.raises(ConfigError, match=words):
+        load_experiment(spec)
+    code = cli.main(["--config", spec, "--workdir", str(tmp_path / "run")])
+    assert code == 2 and words in capsys.readouterr().err
+
+
+def test_experiment_argument_is_passed():
+    assert load_experiment(f"{SMOKE}:float64").model.dtype == "float64"
+    assert load_experiment(SMOKE).model.dtype == "float32"
+
+
+def test_validation_precedes_any_build(monkeypatch, tmp_path):
+    """A bad config fails before the model is built, anything traced or a file written."""
+    import ocformer.training._loop as loop
+    from ocformer.training import train
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("build() was called for an invalid configuration")
+
+    monkeypatch.setattr(loop, "build", forbidden)
+    bad = dataclasses.replace(Config(), model=dataclasses.replace(Config().model, num_heads=3))
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="num_heads=3 must divide model.width=32"):
+        train(bad, str(tmp_path / "run"))
+    assert time.perf_counter() - t0 < 1.0
+    assert not (tmp_path / "run").exists()
+    # A wrong type in a section constructed directly (not via --set) is caught too.
+    bad = dataclasses.replace(Config(), train=dataclasses.replace(Config().train, steps="10"))
+    with pytest.raises(ConfigError, match=r"train.steps: expected int, got '10'"):
+        train(bad, str(tmp_path / "run"))
+
+
+def test_missing_data_file_is_a_usage_error(tmp_path, capsys):
+    argv = [
+        "--config",
+        SMOKE,
+        "--workdir",
+        str(tmp_path / "run"),
+        "--set",
+        "task.name=shakespeare_char",
+        "--set",
+        f"task.data_dir={tmp_path / 'nowhere'}",
+    ]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "make data" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_task_refusal_is_a_usage_error(tmp_path, capsys):
+    # The copy task needs an even length: the task's own check, reported by field.
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run"), "--set", "task.seq_len=15"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "task (copy)" in err and "even integer" in err

@@ -1,0 +1,127 @@
+"""Controls as functions of time: values, derivatives, construction, and refinement."""
+
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import numpy as np
+import pytest
+from numpy.polynomial import chebyshev, legendre
+
+from ocformer.analysis import fitted_slope, study_input, study_model
+from ocformer.controls import (
+    Basis,
+    Constant,
+    PiecewiseConstant,
+    PiecewiseLinear,
+    basis_functions,
+    init_stacked_params,
+    make_control,
+)
+from ocformer.models import ContinuousTransformer, refine, with_scheme
+
+L, D, DFF = 3, 4, 6
+
+
+@pytest.fixture(scope="module")
+def values():
+    return init_stacked_params(jr.PRNGKey(0), L, D, DFF, dtype=jnp.float64)
+
+
+def _leaf(p):
+    return np.asarray(p.attention.wq)
+
+
+def _fd(control, t, h=1e-6):
+    return (_leaf(control(t + h)) - _leaf(control(t - h))) / (2 * h)
+
+
+@pytest.mark.parametrize("family,ref", [("legendre", legendre), ("chebyshev", chebyshev)])
+def test_basis_functions_match_numpy(family, ref):
+    for tau in (-1.0, -0.3, 0.55, 1.0):
+        got = np.asarray(basis_functions(jnp.asarray(tau), 6, family))
+        val = ref.legval if family == "legendre" else ref.chebval
+        np.testing.assert_allclose(got, [val(tau, np.eye(6)[k]) for k in range(6)], atol=1e-14)
+
+
+@pytest.mark.parametrize("family", ["legendre", "chebyshev"])
+def test_basis_values_and_derivative(values, family):
+    control = Basis(values, 0.0, 3.0, family=family)  # K = 3 coefficient sets
+    coef = np.asarray(values.attention.wq)
+    der = legendre.legder if family == "legendre" else chebyshev.chebder
+    val = legendre.legval if family == "legendre" else chebyshev.chebval
+    for t in (0.0, 0.7, 2.2, 3.0):
+        tau = 2 * t / 3.0 - 1
+        np.testing.assert_allclose(_leaf(control(t)), val(tau, coef), atol=1e-13)
+        np.testing.assert_allclose(
+            _leaf(control.derivative(t)), val(tau, der(coef)) * (2 / 3.0), atol=1e-13
+        )
+    np.testing.assert_allclose(_leaf(control.derivative(1.1)), _fd(control, 1.1), atol=1e-8)
+    assert control.jump_ts is None and control.num_layers == 3 and control.num_basis == 3
+
+
+def test_piecewise_linear(values):
+    control = PiecewiseLinear(values)  # 3 nodes: 2 layers on [0, 2]
+    assert control.interval == (0.0, 2.0) and control.num_layers == 2
+    np.testing.assert_allclose(np.asarray(control.jump_ts), [1.0])
+    w = np.asarray(values.attention.wq)
+    for n in range(3):
+        np.testing.assert_allclose(_leaf(control(float(n))), w[n], atol=1e-15)
+    np.testing.assert_allclose(_leaf(control(0.25)), 0.75 * w[0] + 0.25 * w[1], atol=1e-15)
+    np.testing.assert_allclose(_leaf(control.derivative(1.5)), w[2] - w[1], atol=1e-15)
+    np.testing.assert_allclose(_leaf(control.derivative(0.4)), _fd(control, 0.4), atol=1e-8)
+
+
+def test_constant_controls_have_zero_derivative(values):
+    pc = PiecewiseConstant(values)
+    const = Constant(jtu.tree_map(lambda x: x[0], values), 0.0, 3.0)
+    for c in (pc, const):
+        for leaf in jtu.tree_leaves(c.derivative(1.3)):
+            assert not np.any(np.asarray(leaf))
+
+
+def test_make_control(values):
+    pc = make_control("piecewise_constant", values)
+    np.testing.assert_array_equal(_leaf(pc(1.5)), np.asarray(values.attention.wq[1]))
+    # K = L: the Legendre fit interpolates the layers at their midpoints.
+    basis = make_control("basis", values, num_basis=L)
+    for n in range(L):
+        np.testing.assert_allclose(_leaf(basis(n + 0.5)), values.attention.wq[n], atol=1e-12)
+    pl = make_control("piecewise_linear", values)
+    w = np.asarray(values.attention.wq)
+    np.testing.assert_allclose(_leaf(pl(1.0)), 0.5 * (w[0] + w[1]), atol=1e-15)
+    np.testing.assert_allclose(_leaf(pl(3.0)), w[2], atol=1e-15)
+    const = make_control("constant", values)
+    np.testing.assert_array_equal(_leaf(const(2.9)), w[0])
+    keyed = make_control("basis", jr.PRNGKey(1), num_layers=4, width=D, hidden=DFF, num_basis=2)
+    assert keyed.num_layers == 4 and keyed.num_basis == 2
+    with pytest.raises(ValueError, match="num_basis"):
+        make_control("basis", values, num_basis=5)
+    with pytest.raises(ValueError, match="expected one of"):
+        make_control("spline", values)
+    with pytest.raises(ValueError, match="needs num_layers"):
+        make_control("basis", jr.PRNGKey(1))
+
+
+def test_basis_model_is_the_same_at_different_step_counts():
+    # A smooth control is one function of t whatever the grid: Strang (order 2) at
+    # m = 4, 8, 16 differs by the discretisation error, which shrinks 4x per halving.
+    model = with_scheme(study_model("pre"), solver="strang", sub_solver="midpoint")
+    u0 = study_input(model)
+    u = [refine(model, m)(u0) for m in (4, 8, 16)]
+    d1, d2 = float(jnp.max(jnp.abs(u[0] - u[1]))), float(jnp.max(jnp.abs(u[1] - u[2])))
+    assert 3.0 < d1 / d2 < 5.0, (d1, d2)
+    assert d2 < 2e-2
+
+
+def test_piecewise_constant_refinement_converges():
+    # The standard Transformer's controls, refined: m steps per layer of the Lie scheme
+    # converge to the ODE with the field frozen on each layer (first order). The
+    # reference is Tsit5 stepping over the layer jumps.
+    values = init_stacked_params(jr.PRNGKey(2), 3, 8, 16, init_scale=0.5, dtype=jnp.float64)
+    model = ContinuousTransformer(PiecewiseConstant(values), norm="pre", num_heads=2)
+    u0 = jr.normal(jr.PRNGKey(3), (6, 8), jnp.float64)
+    ref = with_scheme(model, solver="tsit5", steps_per_layer=64)(u0)
+    steps = (4, 8, 16)
+    errors = [float(jnp.max(jnp.abs(refine(model, m)(u0) - ref))) for m in steps]
+    slope = fitted_slope([1 / m for m in steps], errors)
+    assert 0.8 <= slope <= 1.3, (errors, slope)

@@ -1,0 +1,173 @@
+"""The training loop in-process: every experiment runs, outputs are written, non-finite
+updates are skipped or abort, solver failures are named, the schedule is what it says."""
+
+import glob
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ocformer import train as cli
+from ocformer.checkpoint import CheckpointManager, NonFiniteCheckpointError
+from ocformer.config import OptimiserConfig, resolve
+from ocformer.training import ExitCode, NonFiniteError, make_schedule, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+EXPERIMENTS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+QUIET = ["train.progress=false"]
+
+
+def read_metrics(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=[os.path.basename(p) for p in EXPERIMENTS])
+def test_every_experiment_runs_a_few_steps(path, tmp_path):
+    overrides = [
+        *QUIET,
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        "task.eval_batches=1",
+        "task.eval_batch_size=8",
+        "train.sample_tokens=5",
+    ]
+    if "shakespeare" in path:
+        # The corpus comes from `make data`; the standard library stands in where it
+        # has not been fetched, so the experiment's model and loop are still exercised.
+        overrides.append("task.fallback=stdlib")
+    config = resolve(path, overrides)
+    summary = train(config, str(tmp_path))
+    assert summary["step"] == 2 and summary["resumed_from"] is None
+    assert math.isfinite(summary["loss"]) and math.isfinite(summary["val_loss"])
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert "val_loss" in records[-1] and "val_accuracy" in records[-1]
+    assert CheckpointManager(str(tmp_path / "checkpoints")).steps() == [2]
+    if config.task.name != "digits":
+        with open(tmp_path / "samples.txt", encoding="utf-8") as f:
+            assert f.read().startswith("=== step 2 ===")
+
+
+def test_outputs_resume_and_summary(tmp_path, capsys):
+    config = resolve(SMOKE, [*QUIET, "train.steps=6", "train.checkpoint_every=3", "train.eval_every=3"])
+    first = train(config, str(tmp_path), argv=["prog", "--flag"])
+    out = capsys.readouterr().out
+    assert "finished step 6" in out and str(tmp_path) in out and "val loss" in out
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert {"loss", "task_loss", "accuracy", "grad_norm", "lr", "skipped_steps", "tok_per_s"} <= set(
+        records[0]
+    )
+    assert "val_loss" in records[2] and "val_loss" not in records[1]
+    assert first["val_loss"] == records[-1]["val_loss"]
+    # Warmup of 5 steps from 0: the first update has learning rate 0.
+    assert records[0]["lr"] == 0.0 and records[5]["lr"] > 0
+    with open(tmp_path / "run.json", encoding="utf-8") as f:
+        info = json.load(f)
+    assert info["command"] == "prog --flag" and info["seed"] == 0
+    assert os.listdir(tmp_path / "tb")
+    # Re-running a finished run resumes at its end and has nothing left to do.
+    again = train(config, str(tmp_path))
+    assert again["resumed_from"] == 6 and again["step"] == 6
+    assert again["val_loss"] == first["val_loss"]
+    assert read_metrics(tmp_path) == records
+
+
+def _checkpoint_arrays(workdir, step):
+    mgr = CheckpointManager(str(workdir / "checkpoints"))
+    return mgr._orbax().restore(mgr.path(step))
+
+
+def test_nonfinite_update_is_skipped_and_counted(tmp_path):
+    config = resolve(
+        SMOKE,
+        [
+            *QUIET,
+            "train.steps=4",
+            "train.checkpoint_every=1",
+            "train.keep_checkpoints=5",
+            "train.eval_every=4",
+            "train.debug_nan_at_step=3",
+            "train.on_nonfinite=skip",
+        ],
+    )
+    summary = train(config, str(tmp_path))
+    assert summary["skipped_steps"] == 1
+    records = read_metrics(tmp_path)
+    assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1]
+    assert records[2]["loss"] == "nan" and math.isfinite(records[3]["loss"])
+    # The skipped update changed nothing: parameters and optimiser state after step 3
+    # are those after step 2, bit for bit (only the step counters differ).
+    after2, after3 = _checkpoint_arrays(tmp_path, 2), _checkpoint_arrays(tmp_path, 3)
+    differ = [k for k in after2 if not np.array_equal(after2[k], after3[k])]
+    leaves = CheckpointManager(str(tmp_path / "checkpoints")).read_marker(3)["leaves"]
+    assert [leaves[int(k)]["path"] for k in differ] == [".step", ".skipped"]
+    # ... while the update of step 4 did change them.
+    after4 = _checkpoint_arrays(tmp_path, 4)
+    assert not np.array_equal(after3["000000"], after4["000000"])
+
+
+def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path, capsys):
+    overrides = [*QUIET, "train.steps=4", "train.checkpoint_every=1", "train.debug_nan_at_step=3"]
+    config = resolve(SMOKE, overrides)
+    with pytest.raises(NonFiniteError) as e:
+        train(config, str(tmp_path / "lib"))
+    assert e.value.step == 3 and e.value.source == "loss"
+    assert "non-finite loss at training step 3" in str(e.value)
+    assert CheckpointManager(str(tmp_path / "lib" / "checkpoints")).steps() == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "lib")] == [1, 2]
+    # The command line reports it with its own exit code.
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "cli")]
+    assert cli.main(argv + sum((["--set", o] for o in overrides), [])) == ExitCode.NON_FINITE
+    assert "non-finite loss at training step 3" in capsys.readouterr().err
+
+
+def test_checkpoint_with_nonfinite_values_is_never_written(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), keep=2)
+    mgr.save(1, {"w": np.ones(3)})
+    with pytest.raises(NonFiniteCheckpointError, match=r"step 2: leaf \['w'\] holds NaN"):
+        mgr.save(2, {"w": np.array([1.0, np.nan, 0.0])})
+    with pytest.raises(NonFiniteCheckpointError):
+        mgr.save(3, {"w": np.array([np.inf])})
+    assert mgr.steps() == [1] and os.listdir(tmp_path) == ["step_1"]
+
+
+@pytest.mark.slow
+def test_solver_failure_is_named_with_step_and_message(tmp_path, capsys):
+    """An adaptive solve whose tolerance cannot be met in float32 runs out of steps: the
+    run stops with SolverFailure (exit 3), not with NaN."""
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path)]
+    for o in [
+        *QUIET,
+        "train.steps=2",
+        "solver.name=heun",
+        "solver.stepsize=pid",
+        "solver.rtol=1e-14",
+        "solver.atol=1e-14",
+    ]:
+        argv += ["--set", o]
+    assert cli.main(argv) == ExitCode.SOLVER_FAILURE == 3
+    err = capsys.readouterr().err
+    assert "SolverFailure: the ODE solve failed at training step 1" in err
+    assert "maximum number of solver steps" in err
+    assert CheckpointManager(str(tmp_path / "checkpoints")).steps() == []
+
+
+def test_schedule_is_warmup_then_cosine():
+    cfg = OptimiserConfig(learning_rate=1e-3, warmup_steps=10, end_lr_ratio=0.1)
+    lr = make_schedule(cfg, total_steps=110)
+    assert float(lr(0)) == 0.0
+    np.testing.assert_allclose(float(lr(5)), 0.5e-3, rtol=1e-6)
+    np.testing.assert_allclose(float(lr(10)), 1e-3, rtol=1e-6)
+    # Half-way through the decay: end + (peak - end) * (1 + cos(pi/2)) / 2.
+    np.testing.assert_allclose(float(lr(60)), 1e-4 + 0.9e-3 * 0.5, rtol=1e-5)
+    np.testing.assert_allclose(float(lr(110)), 1e-4, rtol=1e-5)
+    const = make_schedule(OptimiserConfig(learning_rate=2e-3, schedule="constant"), 100)
+    assert float(const(0)) == float(const(99)) == float(jnp.float32(2e-3))
