@@ -30,5 +30,11 @@ bench: setup
 data: setup
 	$(BIN)/python -m ocformer.tasks.prepare
 
+# The default experiment: Shakespeare character-level LM, <= 10 minutes on 2 CPU cores.
+# Outputs (metrics, TensorBoard, samples, checkpoints) go to runs/shakespeare_char;
+# re-running resumes from the last checkpoint.
+train: setup data
+	$(BIN)/python -m ocformer.train --config experiments/shakespeare_char.py --workdir runs/shakespeare_char
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

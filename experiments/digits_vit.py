@@ -32,6 +32,8 @@ def get_config(arg: str | None = None) -> Config:
         optimiser=OptimiserConfig(
             name="adamw", learning_rate=2e-3, warmup_steps=100, weight_decay=0.05
         ),
-        task=TaskConfig(name="digits", patch_size=2, batch_size=64, eval_batch_size=99, eval_batches=3),
+        task=TaskConfig(
+            name="digits", patch_size=2, batch_size=64, eval_batch_size=99, eval_batches=3
+        ),
         train=TrainConfig(steps=1500, seed=0, eval_every=250, checkpoint_every=500, log_every=10),
     )

@@ -1,7 +1,8 @@
 """The default experiment: a character-level language model of Shakespeare.
 
 Command (``make train`` runs exactly this after ``make setup data``):
-    python -m ocformer.train --config experiments/shakespeare_char.py --workdir runs/shakespeare_char
+    python -m ocformer.train --config experiments/shakespeare_char.py \
+        --workdir runs/shakespeare_char
 
 A pre-LN causal Transformer, 4 layers x 128 features, 4 heads, context 64, posed as the
 Lie-splitting discretisation of the controlled equation with one step per layer

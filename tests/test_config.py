@@ -71,7 +71,9 @@ def test_overrides_are_parsed_by_field_type():
 
 
 def test_config_round_trips_through_json():
-    c = apply_overrides(resolve(SMOKE), ["objective.kernel_norm=frobenius", "objective.kernel_bound=3"])
+    c = apply_overrides(
+        resolve(SMOKE), ["objective.kernel_norm=frobenius", "objective.kernel_bound=3"]
+    )
     again = from_dict(json.loads(json.dumps(to_dict(c))))
     assert again == c
 
@@ -115,14 +117,20 @@ BAD_CONFIGS = [
     (["model.norm=post", "solver.name=tsit5"], "solver.name", "smooth vector field"),
     (["model.formulation=relaxed"], "model.formulation", "smooth limit of post-LN"),
     (["objective.kernel_norm=spectral"], "objective.kernel_bound", "go together"),
-    (["train.debug_nan_at_step=500", "train.steps=10"], "train.debug_nan_at_step", "after the last"),
+    (
+        ["train.debug_nan_at_step=500", "train.steps=10"],
+        "train.debug_nan_at_step",
+        "after the last",
+    ),
     (["train.steps"], "--set", "bad --set syntax"),
     (["model=3"], "model", "not a whole section"),
     (["a.b.c=1"], "a.b.c", "malformed key"),
 ]
 
 
-@pytest.mark.parametrize("overrides, field, words", BAD_CONFIGS, ids=[" ".join(b[0]) for b in BAD_CONFIGS])
+@pytest.mark.parametrize(
+    "overrides, field, words", BAD_CONFIGS, ids=[" ".join(b[0]) for b in BAD_CONFIGS]
+)
 def test_bad_config_is_refused_by_name(overrides, field, words, tmp_path, capsys):
     with pytest.raises(ConfigError) as e:
         resolve(SMOKE, overrides)
@@ -207,3 +215,16 @@ def test_task_refusal_is_a_usage_error(tmp_path, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "task (copy)" in err and "even integer" in err
+
+
+def test_sampling_a_task_without_text_is_a_usage_error(tmp_path, capsys):
+    argv = [
+        "--config",
+        SMOKE,
+        "--workdir",
+        str(tmp_path / "run"),
+        "--set",
+        "train.sample_tokens=10",
+    ]
+    assert cli.main(argv) == 2
+    assert "train.sample_tokens" in capsys.readouterr().err

@@ -47,24 +47,32 @@ def build(norm="post", solver=None, steps_per_layer=1):
 BATCH = {k: jnp.asarray(v) for k, v in CopyTask(N, V).batch("train", 0, 3, 0).items()}
 
 
+@eqx.filter_jit
 def value_and_grad(objective, model, batch):
-    f = eqx.filter_jit(eqx.filter_grad(lambda m, b: objective(m, b)[0]))
-    return f(model, batch)
+    # Module-level and jitted once per (objective, model structure): the finite
+    # differences below reuse one compiled loss.
+    return eqx.filter_grad(lambda m: objective(m, batch)[0])(model)
+
+
+@eqx.filter_jit
+def _loss(objective, model, batch):
+    return objective(model, batch)[0]
 
 
 def directional_fd(objective, model, batch, direction, eps=1e-5):
     params, static = eqx.partition(model, eqx.is_inexact_array)
-    f = eqx.filter_jit(lambda p: objective(eqx.combine(p, static), batch)[0])
-    plus = jax.tree.map(lambda a, b: a + eps * b, params, direction)
-    minus = jax.tree.map(lambda a, b: a - eps * b, params, direction)
-    return float((f(plus) - f(minus)) / (2 * eps))
+    plus = eqx.combine(jax.tree.map(lambda a, b: a + eps * b, params, direction), static)
+    minus = eqx.combine(jax.tree.map(lambda a, b: a - eps * b, params, direction), static)
+    return float((_loss(objective, plus, batch) - _loss(objective, minus, batch)) / (2 * eps))
 
 
 def random_direction(model, seed=7):
     params = eqx.filter(model, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(params)
     keys = jr.split(jr.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [jr.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        treedef, [jr.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    )
 
 
 def dot(a, b):
@@ -81,7 +89,11 @@ OBJECTIVE = Objective(control_smoothness=0.1, control_size=0.01, kinetic_energy=
 
 
 def test_registry_names():
-    assert set(GRADIENT_METHODS) == {"discretise_then_optimise", "optimise_then_discretise", "direct"}
+    assert set(GRADIENT_METHODS) == {
+        "discretise_then_optimise",
+        "optimise_then_discretise",
+        "direct",
+    }
     for name, cls in GRADIENT_METHODS.items():
         assert cls.name == name
 
@@ -101,6 +113,21 @@ def test_prepare_sets_the_adjoint():
 def test_otd_refuses_splitting_schemes_and_says_why():
     with pytest.raises(ValueError, match="splitting scheme.*BacksolveAdjoint.*adjoint splitting"):
         OptimiseThenDiscretise().prepare(build("post"))
+
+
+def test_otd_refuses_projected_dynamics_with_jumping_controls():
+    k = jr.split(jr.key(0), 3)
+    values = init_stacked_params(k[0], L, D, DFF, dtype=jnp.float64, norm_affine="scalar")
+    transformer = ContinuousTransformer(
+        PiecewiseConstant(values), num_heads=2, solver="euler", formulation="projected"
+    )
+    model = SequenceModel(
+        TokenEmbedding(V, N, D, key=k[1], dtype=jnp.float64),
+        transformer,
+        Readout(D, V, key=k[2], dtype=jnp.float64),
+    )
+    with pytest.raises(ValueError, match="continuous controls.*jumps"):
+        OptimiseThenDiscretise().prepare(model)
 
 
 @pytest.mark.parametrize("method", [DiscretiseThenOptimise, Direct])
@@ -129,14 +156,14 @@ def test_gradient_under_vmap():
     own example, and their mean is the batch gradient (equal scored positions per
     example make the batch loss the mean of the per-example losses)."""
     model = DiscretiseThenOptimise().prepare(build("post"))
-    objective = Objective(control_smoothness=0.1, kinetic_energy=0.05)
+    objective = Objective(control_smoothness=0.1)
 
     def loss_one(m, inputs, targets):
         return objective(m, {"inputs": inputs[None], "targets": targets[None]})[0]
 
-    per_example = eqx.filter_jit(
-        eqx.filter_vmap(eqx.filter_grad(loss_one), in_axes=(None, 0, 0))
-    )(model, BATCH["inputs"], BATCH["targets"])
+    per_example = eqx.filter_jit(eqx.filter_vmap(eqx.filter_grad(loss_one), in_axes=(None, 0, 0)))(
+        model, BATCH["inputs"], BATCH["targets"]
+    )
     batch_grad = value_and_grad(objective, model, BATCH)
     mean = jax.tree.map(lambda g: jnp.mean(g, axis=0), per_example)
     assert relative_gap(mean, batch_grad) < 1e-12
@@ -177,8 +204,8 @@ def test_otd_on_pre_ln_vmaps():
     def loss_one(m, inputs, targets):
         return objective(m, {"inputs": inputs[None], "targets": targets[None]})[0]
 
-    per_example = eqx.filter_jit(
-        eqx.filter_vmap(eqx.filter_grad(loss_one), in_axes=(None, 0, 0))
-    )(model, BATCH["inputs"], BATCH["targets"])
+    per_example = eqx.filter_jit(eqx.filter_vmap(eqx.filter_grad(loss_one), in_axes=(None, 0, 0)))(
+        model, BATCH["inputs"], BATCH["targets"]
+    )
     mean = jax.tree.map(lambda g: jnp.mean(g, axis=0), per_example)
     assert relative_gap(mean, value_and_grad(objective, model, BATCH)) < 1e-10

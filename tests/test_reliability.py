@@ -25,17 +25,22 @@ import pytest
 from ocformer import train as cli
 from ocformer.checkpoint import MARKER, CheckpointManager
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reliability")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="reliability")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
 STEPS = 60
 # The run every faulty run is compared with: checkpoints every 10 steps, a metrics line
 # every step, evaluation every 20.
-BASE = [f"train.steps={STEPS}", "train.checkpoint_every=10", "train.eval_every=20", "train.progress=false"]
+BASE = [
+    f"train.steps={STEPS}",
+    "train.checkpoint_every=10",
+    "train.eval_every=20",
+    "train.progress=false",
+]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax_cache")
     e = dict(os.environ)
@@ -58,7 +63,12 @@ def command(workdir, *overrides):
 
 def run(env, workdir, *overrides, timeout=240):
     return subprocess.run(
-        command(workdir, *overrides), env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        command(workdir, *overrides),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -104,7 +114,7 @@ def losses(records) -> dict[int, tuple]:
     return {r["step"]: tuple(r.get(k) for k in keys) for r in records}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(env, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("reference") / "run"
     proc = run(env, workdir)
@@ -295,7 +305,9 @@ def test_corrupted_checkpoint_is_refused(reference, tmp_path, capsys):
             if name != MARKER:
                 with open(os.path.join(root, name), "wb") as f:
                     f.write(b"\x00garbage")
-    code = cli.main(["--config", SMOKE, "--workdir", str(workdir)] + sum((["--set", o] for o in BASE), []))
+    code = cli.main(
+        ["--config", SMOKE, "--workdir", str(workdir)] + sum((["--set", o] for o in BASE), [])
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "corrupted" in err and f"step_{STEPS}" in err
@@ -305,7 +317,9 @@ def test_corrupted_marker_is_refused(reference, tmp_path, capsys):
     workdir = _copy_run(reference, tmp_path)
     with open(os.path.join(workdir, "checkpoints", f"step_{STEPS}", MARKER), "w") as f:
         f.write("{not json")
-    code = cli.main(["--config", SMOKE, "--workdir", str(workdir)] + sum((["--set", o] for o in BASE), []))
+    code = cli.main(
+        ["--config", SMOKE, "--workdir", str(workdir)] + sum((["--set", o] for o in BASE), [])
+    )
     assert code == 2
     assert "commit marker" in capsys.readouterr().err
 

@@ -22,8 +22,7 @@ def _control(norm_affine="feature"):
     leaves, treedef = jtu.tree_flatten(values)
     keys = jr.split(jr.PRNGKey(4), len(leaves))
     leaves = [
-        x + 0.3 * jr.normal(k, x.shape, x.dtype) if x.ndim <= 2 else x
-        for k, x in zip(keys, leaves)
+        x + 0.3 * jr.normal(k, x.shape, x.dtype) if x.ndim <= 2 else x for k, x in zip(keys, leaves)
     ]
     return PiecewiseConstant(jtu.tree_unflatten(treedef, leaves))
 

@@ -70,8 +70,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(
             "--set",
-            f"bad --set syntax {text!r}; expected section.field=value, e.g. "
-            "--set train.steps=100",
+            f"bad --set syntax {text!r}; expected section.field=value, e.g. --set train.steps=100",
         )
     key, raw = text.split("=", 1)
     key = key.strip()
@@ -122,15 +121,12 @@ def load_experiment(spec: str) -> Config:
     spec_.loader.exec_module(module)
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
-        raise ConfigError(
-            "--config", f"{path} defines no get_config(arg: str | None) -> Config"
-        )
+        raise ConfigError("--config", f"{path} defines no get_config(arg: str | None) -> Config")
     config = get_config(arg)
     if not isinstance(config, Config):
         raise ConfigError(
             "--config",
-            f"{path}: get_config returned {type(config).__name__}, expected "
-            "ocformer.config.Config",
+            f"{path}: get_config returned {type(config).__name__}, expected ocformer.config.Config",
         )
     return config
 

@@ -84,7 +84,9 @@ class ControlsConfig:
     )
     basis_size: int = _field(4, "coefficients K of a basis control", ge=1)
     init_scale: float = _field(1.0, "multiplies every initial kernel's standard deviation", gt=0.0)
-    norm_affine: str = _field("feature", "layer-norm gain/bias shape", choices=("feature", "scalar"))
+    norm_affine: str = _field(
+        "feature", "layer-norm gain/bias shape", choices=("feature", "scalar")
+    )
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,13 @@ class OptimiserConfig:
 
     name: str = _field("adamw", "optimiser", choices=("adamw", "adam", "sgd"))
     learning_rate: float = _field(1e-3, "peak learning rate", gt=0.0)
-    schedule: str = _field("cosine", "warmup then cosine decay, or constant", choices=("cosine", "constant"))
+    schedule: str = _field(
+        "cosine", "warmup then cosine decay, or constant", choices=("cosine", "constant")
+    )
     warmup_steps: int = _field(0, "linear warmup steps", ge=0)
-    end_lr_ratio: float = _field(0.1, "final / peak learning rate of the cosine decay", ge=0.0, le=1.0)
+    end_lr_ratio: float = _field(
+        0.1, "final / peak learning rate of the cosine decay", ge=0.0, le=1.0
+    )
     weight_decay: float = _field(0.0, "decoupled weight decay (adamw)", ge=0.0)
     b1: float = _field(0.9, "Adam beta1", ge=0.0, lt=1.0)
     b2: float = _field(0.99, "Adam beta2", ge=0.0, lt=1.0)
@@ -133,7 +139,9 @@ class TaskConfig:
     """The data: which task, its sizes, and the batch sizes."""
 
     name: str = _field(
-        "copy", "task (ocformer.tasks.TASKS)", choices=("shakespeare_char", "stdlib_char", "digits", "copy", "sort")
+        "copy",
+        "task (ocformer.tasks.TASKS)",
+        choices=("shakespeare_char", "stdlib_char", "digits", "copy", "sort"),
     )
     seq_len: int = _field(16, "tokens the transformer sees (language and sequence tasks)", ge=1)
     vocab_size: int = _field(8, "symbols of the synthetic tasks (copy, sort)", ge=2)

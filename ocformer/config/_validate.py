@@ -61,9 +61,7 @@ def check_keys(dotted: str) -> dataclasses.Field | None:
         allowed = _allowed_fields(section)
         near = difflib.get_close_matches(dotted, allowed, n=1)
         hint = f"; did you mean {near[0]}?" if near else ""
-        raise ConfigError(
-            dotted, f"unknown field {dotted}{hint} allowed: {', '.join(allowed)}"
-        )
+        raise ConfigError(dotted, f"unknown field {dotted}{hint} allowed: {', '.join(allowed)}")
     return fields[parts[1]]
 
 
@@ -103,9 +101,7 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
     meta = f.metadata
     choices = meta.get("choices")
     if choices is not None and value not in choices:
-        raise ConfigError(
-            path, f"got {value!r}; allowed: {', '.join(repr(c) for c in choices)}"
-        )
+        raise ConfigError(path, f"got {value!r}; allowed: {', '.join(repr(c) for c in choices)}")
     if value is None or isinstance(value, str | bool | tuple):
         return
     tests = {
@@ -144,16 +140,12 @@ def validate(config: Config) -> Config:
         ConfigError: naming the dotted field, the value and what is allowed.
     """
     if not isinstance(config, Config):
-        raise ConfigError(
-            "", f"expected an ocformer.config.Config, got {type(config).__name__}"
-        )
+        raise ConfigError("", f"expected an ocformer.config.Config, got {type(config).__name__}")
     for section in SECTIONS:
         value = getattr(config, section)
         cls = section_class(section)
         if type(value) is not cls:
-            raise ConfigError(
-                section, f"expected {cls.__name__}, got {type(value).__name__}"
-            )
+            raise ConfigError(section, f"expected {cls.__name__}, got {type(value).__name__}")
         hints = field_types(cls)
         for f in dataclasses.fields(cls):
             _check_field(f"{section}.{f.name}", f, hints[f.name], getattr(value, f.name))

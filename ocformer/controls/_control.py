@@ -83,9 +83,7 @@ class PiecewiseConstant(AbstractControl):
 
     def __check_init__(self):
         if not self.t1 > self.t0:
-            raise ValueError(
-                f"PiecewiseConstant needs t1 > t0, got t0={self.t0}, t1={self.t1}."
-            )
+            raise ValueError(f"PiecewiseConstant needs t1 > t0, got t0={self.t0}, t1={self.t1}.")
 
     @property
     def num_layers(self) -> int:
@@ -169,4 +167,3 @@ def unstack_layers(values: LayerParams) -> list[LayerParams]:
     """The inverse of ``stack_layers``."""
     (num,) = _leading_sizes(values)
     return [jtu.tree_map(lambda x, i=i: x[i], values) for i in range(num)]
-

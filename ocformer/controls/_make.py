@@ -99,6 +99,7 @@ def make_control(
     if kind == "constant":
         return Constant(jtu.tree_map(lambda x: x[0], values), t0, t1, num_layers=L)
     if kind == "piecewise_linear":
+
         def nodes(x):
             inner = 0.5 * (x[:-1] + x[1:])
             return jnp.concatenate([x[:1], inner, x[-1:]], axis=0)

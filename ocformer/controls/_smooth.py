@@ -110,9 +110,7 @@ class PiecewiseLinear(AbstractControl):
         return jtu.tree_map(lambda x, y: rate * (y - x), a, b)
 
 
-def basis_functions(
-    tau: Float[Array, ""], num: int, family: BasisFamily
-) -> Float[Array, " K"]:
+def basis_functions(tau: Float[Array, ""], num: int, family: BasisFamily) -> Float[Array, " K"]:
     r"""$(P_0(\tau), \dots, P_{K-1}(\tau))$ on $[-1, 1]$ by the three-term recurrence.
 
     Legendre: $(k+1) P_{k+1} = (2k+1)\tau P_k - k P_{k-1}$; Chebyshev (first kind):

@@ -67,9 +67,7 @@ def constraint_residual(p: NormParams, u: Float[Array, "*batch N d"]) -> Float[A
     how far ``u`` is from $S_1(\sigma_1, \sigma_2)$ (zero on the set)."""
     mean = jnp.mean(u, axis=-1)
     var = jnp.mean(jnp.square(u - mean[..., None]), axis=-1)
-    return jnp.maximum(
-        jnp.max(jnp.abs(mean - p.bias)), jnp.max(jnp.abs(var - jnp.square(p.scale)))
-    )
+    return jnp.maximum(jnp.max(jnp.abs(mean - p.bias)), jnp.max(jnp.abs(var - jnp.square(p.scale))))
 
 
 def check_scalar_norm(p: NormParams, formulation: str) -> None:

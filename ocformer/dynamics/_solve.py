@@ -13,9 +13,7 @@ from ._constrained import ProjectedSolver
 def time_grid(control: AbstractControl, steps_per_layer: int, dtype):
     """The step grid: ``steps_per_layer`` equal steps per piece of the layer grid."""
     if not (isinstance(steps_per_layer, int) and steps_per_layer >= 1):
-        raise ValueError(
-            f"steps_per_layer must be a positive integer, got {steps_per_layer!r}."
-        )
+        raise ValueError(f"steps_per_layer must be a positive integer, got {steps_per_layer!r}.")
     t0, t1 = control.interval
     num_steps = control.num_layers * steps_per_layer
     return jnp.linspace(t0, t1, num_steps + 1, dtype=dtype), num_steps
@@ -135,7 +133,14 @@ class StepOverJumps(diffrax.AbstractStepSizeController):
         jump = self.on_jump[i]
         t = self.ts[i]
         next_t0 = jnp.where(jump, jnp.nextafter(t, jnp.asarray(jnp.inf, t.dtype)), t1)
-        return True, next_t0, self._end(controller_state), jump, controller_state + 1, RESULTS.successful
+        return (
+            True,
+            next_t0,
+            self._end(controller_state),
+            jump,
+            controller_state + 1,
+            RESULTS.successful,
+        )
 
 
 def bind_solver(solver: diffrax.AbstractSolver, terms) -> diffrax.AbstractSolver:

@@ -77,10 +77,9 @@ def with_root_tolerances(
     if not is_implicit(solver):
         return solver
     rf = solver.root_finder  # pyright: ignore[reportAttributeAccessIssue]
-    if getattr(rf, "rtol", None) is use_stepsize_tol or getattr(
-        rf, "atol", None
-    ) is use_stepsize_tol:
-        return eqx.tree_at(
-            lambda s: s.root_finder, solver, optx.Newton(rtol=rtol, atol=atol)
-        )
+    if (
+        getattr(rf, "rtol", None) is use_stepsize_tol
+        or getattr(rf, "atol", None) is use_stepsize_tol
+    ):
+        return eqx.tree_at(lambda s: s.root_finder, solver, optx.Newton(rtol=rtol, atol=atol))
     return solver

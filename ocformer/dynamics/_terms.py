@@ -81,9 +81,7 @@ class AbstractExplicitTerm(AbstractSplitTerm):
 
 def _check_sub_solver(sub_solver):
     if sub_solver not in SUB_SOLVERS:
-        raise ValueError(
-            f"sub_solver must be one of {SUB_SOLVERS}, got {sub_solver!r}."
-        )
+        raise ValueError(f"sub_solver must be one of {SUB_SOLVERS}, got {sub_solver!r}.")
 
 
 class AttentionTerm(AbstractExplicitTerm):

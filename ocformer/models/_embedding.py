@@ -126,8 +126,8 @@ class PatchEmbedding(AbstractEmbedding):
         """Flattened non-overlapping patches in row-major patch order."""
         if tuple(images.shape[1:]) != self.input_shape:
             raise ValueError(
-                f"PatchEmbedding expects images of shape (B, {', '.join(map(str, self.input_shape))}), "
-                f"got {images.shape}."
+                f"PatchEmbedding expects images of shape (B, *{self.input_shape}), got "
+                f"{images.shape}."
             )
         batch = images.shape[0]
         p = self.patch_size

@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 from diffrax import MultiTerm
 from jaxtyping import Array, Bool, Float
 
-from ..controls._control import AbstractControl
+from ..controls._control import AbstractControl, PiecewiseConstant
 from ..controls._params import LayerParams, NormParams
 from ..dynamics._args import DynamicsArgs
 from ..dynamics._constrained import (
@@ -268,8 +268,11 @@ class ContinuousTransformer(eqx.Module):
                 "stepsize='constant', or an embedded Runge-Kutta/implicit solver."
             )
         if (
+            # A bare PID controller would step across jumps, rejecting steps until it
+            # locates them. Continuous controls with kinks (PiecewiseLinear) are fine.
             isinstance(self.stepsize_controller, diffrax.PIDController)
-            and self.control.jump_ts is not None
+            and isinstance(self.control, PiecewiseConstant)
+            and self.control.num_layers > 1
         ):
             raise ValueError(
                 f"A bare PIDController with {type(self.control).__name__} controls, which "
@@ -553,9 +556,11 @@ def with_scheme(model: ContinuousTransformer, **changes) -> ContinuousTransforme
             f"{', '.join(SCHEME_OPTIONS)}."
         )
     options = model._options()
-    if "stepsize" not in changes and isinstance(
-        options["stepsize"], diffrax.AbstractStepSizeController
-    ) and any(k in changes for k in ("rtol", "atol")):
+    if (
+        "stepsize" not in changes
+        and isinstance(options["stepsize"], diffrax.AbstractStepSizeController)
+        and any(k in changes for k in ("rtol", "atol"))
+    ):
         options["stepsize"] = "pid"  # rebuilt with the new tolerances
     options.update(changes)
     return ContinuousTransformer(model.control, **options)

@@ -6,7 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ..controls import AttentionParams, FeedForwardParams, NormParams
+from ..controls import AttentionParams, Basis, FeedForwardParams, NormParams
 from ..models._sequence import SequenceModel
 
 KernelNorm = Literal["frobenius", "spectral"]
@@ -105,7 +105,20 @@ class Constraints(eqx.Module):
         return node
 
     def project(self, model: SequenceModel) -> SequenceModel:
-        """The model with its transformer's controls projected onto the admissible set."""
+        """The model with its transformer's controls projected onto the admissible set.
+
+        Raises:
+            ValueError: the control is a ``Basis``: its stored values are expansion
+                coefficients, and clipping those does not bound theta(t).
+        """
+        if isinstance(model.transformer.control, Basis):
+            raise ValueError(
+                "Constraints cannot be enforced on a Basis control by projection: its "
+                "stored values are expansion coefficients, and clipping coefficients "
+                "neither bounds theta(t) nor is a projection of it. Use piecewise-constant "
+                "or piecewise-linear controls, or Constraints(sigma_floor=None) without "
+                "kernel bounds."
+            )
         is_params = lambda x: isinstance(x, (NormParams, AttentionParams, FeedForwardParams))  # noqa: E731
         transformer = jtu.tree_map(self._project, model.transformer, is_leaf=is_params)
         return model.with_transformer(transformer)

