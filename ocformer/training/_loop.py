@@ -89,6 +89,9 @@ class _Throughput:
     def tick(self) -> None:
         self.steps += 1
 
+    def restart(self) -> None:
+        self.t, self.steps = time.perf_counter(), 0
+
     def rate(self) -> tuple[float, float]:
         """(steps/s, units/s) since the last call."""
         now = time.perf_counter()
@@ -232,14 +235,19 @@ def train(config: Config, workdir: str, *, argv: list[str] | None = None) -> dic
                 record = {"step": step, **metrics, "skipped_steps": skipped}
                 record["lr"] = lr
                 evaluated = step % tc.eval_every == 0 or step == tc.steps
+                logged = evaluated or step % tc.log_every == 0
+                if logged:
+                    # Training throughput only: measured before evaluation and sampling,
+                    # whose time is then excluded from the next window.
+                    steps_per_s, units_per_s = throughput.rate()
                 if evaluated:
                     last_eval = run_eval(model, step)
                     record.update(last_eval)
                     sample = write_sample(model, step)
                     if sample is not None:
                         bar.write(f"--- sample at step {step} ---\n{sample}\n---")
-                if evaluated or step % tc.log_every == 0:
-                    steps_per_s, units_per_s = throughput.rate()
+                    throughput.restart()
+                if logged:
                     record["steps_per_s"] = steps_per_s
                     record[unit_name.replace("/", "_per_")] = units_per_s
                     metrics_log.append(record)
