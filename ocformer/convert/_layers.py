@@ -93,8 +93,14 @@ def _layer_params(layer: Mapping, dtype) -> LayerParams:
     w2 = a("w2") - jnp.eye(d_ff, d, dtype=dtype)
     return LayerParams(
         attention=AttentionParams(
-            wq=a("wq"), wk=a("wk"), wv=a("wv"), wo=a("wo"),
-            bq=a("bq"), bk=a("bk"), bv=a("bv"), bo=a("bo"),
+            wq=a("wq"),
+            wk=a("wk"),
+            wv=a("wv"),
+            wo=a("wo"),
+            bq=a("bq"),
+            bk=a("bk"),
+            bv=a("bv"),
+            bo=a("bo"),
         ),  # fmt: skip
         norm1=NormParams(scale=a("ln1_scale"), bias=a("ln1_bias")),
         feedforward=FeedForwardParams(weights=(w1, w2), biases=(a("b1"), a("b2"))),
@@ -203,12 +209,22 @@ def to_layers(model: ContinuousTransformer) -> list[dict]:
         att = p.attention
         out.append(
             {
-                "wq": np_(att.wq), "wk": np_(att.wk), "wv": np_(att.wv), "wo": np_(att.wo),
-                "bq": np_(att.bq), "bk": np_(att.bk), "bv": np_(att.bv), "bo": np_(att.bo),
-                "w1": np.asarray(w1 + jnp.eye(*w1.shape, dtype=w1.dtype)), "b1": np_(b1),
-                "w2": np.asarray(w2 + jnp.eye(*w2.shape, dtype=w2.dtype)), "b2": np_(b2),
-                "ln1_scale": np_(p.norm1.scale), "ln1_bias": np_(p.norm1.bias),
-                "ln2_scale": np_(p.norm2.scale), "ln2_bias": np_(p.norm2.bias),
+                "wq": np_(att.wq),
+                "wk": np_(att.wk),
+                "wv": np_(att.wv),
+                "wo": np_(att.wo),
+                "bq": np_(att.bq),
+                "bk": np_(att.bk),
+                "bv": np_(att.bv),
+                "bo": np_(att.bo),
+                "w1": np.asarray(w1 + jnp.eye(*w1.shape, dtype=w1.dtype)),
+                "b1": np_(b1),
+                "w2": np.asarray(w2 + jnp.eye(*w2.shape, dtype=w2.dtype)),
+                "b2": np_(b2),
+                "ln1_scale": np_(p.norm1.scale),
+                "ln1_bias": np_(p.norm1.bias),
+                "ln2_scale": np_(p.norm2.scale),
+                "ln2_bias": np_(p.norm2.bias),
             }  # fmt: skip
         )
     return out

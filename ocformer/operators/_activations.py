@@ -33,9 +33,7 @@ def activate(v: Float[Array, "..."], activation: Activation) -> Float[Array, "..
         return jax.nn.gelu(v, approximate=False)
     if activation == "gelu_tanh":
         return jax.nn.gelu(v, approximate=True)
-    raise ValueError(
-        f"Unknown activation {activation!r}; expected one of {ACTIVATIONS}."
-    )
+    raise ValueError(f"Unknown activation {activation!r}; expected one of {ACTIVATIONS}.")
 
 
 def check_activation(activation: str) -> None:

@@ -51,9 +51,7 @@ class LayerNormProjection(eqx.Module):
 
     def __check_init__(self):
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
-            raise ValueError(
-                f"LayerNormProjection.eps must be a number >= 0, got {self.eps!r}."
-            )
+            raise ValueError(f"LayerNormProjection.eps must be a number >= 0, got {self.eps!r}.")
 
     def __call__(
         self,
