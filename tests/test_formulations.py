@@ -76,6 +76,18 @@ def test_pid_steps_onto_control_jumps():
     np.testing.assert_allclose(ys[len(accepted) - 1], pid(u0), rtol=0, atol=1e-14)
 
 
+def test_single_layer_has_no_jumps_to_step_onto():
+    # One piece: the control has no interior jump; PID and the constant grid both run.
+    control = PiecewiseConstant(
+        init_stacked_params(jr.PRNGKey(0), 1, 8, 16, init_scale=0.5, dtype=jnp.float64)
+    )
+    u0 = jr.normal(jr.PRNGKey(1), (5, 8), jnp.float64)
+    common = dict(norm="pre", num_heads=2, solver="tsit5", ln_eps=1e-5)
+    pid = ContinuousTransformer(control, stepsize="pid", rtol=1e-9, atol=1e-11, **common)
+    fine = ContinuousTransformer(control, steps_per_layer=64, **common)
+    np.testing.assert_allclose(pid(u0), fine(u0), rtol=0, atol=1e-6)
+
+
 def test_projected_field_keeps_the_moving_constraints(post):
     # On S1(s1(t), s2(t)) the field must satisfy d/dt mean(u) = s1' and
     # d/dt var(u) = 2 s2 s2' (the derivatives of the constraints), to rounding.

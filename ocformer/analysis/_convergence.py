@@ -8,6 +8,7 @@ non-autonomous ODE and the asymptotic regime is reached at a few steps per layer
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from ..controls._init import init_stacked_params
 from ..controls._make import make_control
 from ..dynamics._solvers import SOLVERS
 from ..models._transformer import ContinuousTransformer, with_scheme
+from ..operators import Activation
 from ..splitting import SCHEMES
 
 STUDY_FORMULATIONS: tuple[str, ...] = ("pre", "projected", "relaxed")
@@ -42,7 +44,7 @@ def study_model(
     num_basis: int = 3,
     perturb: float = 0.2,
     init_scale: float = 0.5,
-    activation: str = "gelu",
+    activation: Activation = "gelu",
 ) -> ContinuousTransformer:
     r"""A small random float64 model with smooth controls for order measurements.
 
@@ -235,7 +237,7 @@ def convergence_study(
             expected = discrete.order()
             errors.append(_error(discrete(u0), u_ref))
             dts.append(length / m)
-        entry = dict(
+        entry: dict[str, Any] = dict(
             steps_per_layer=list(steps),
             dt=dts,
             errors=errors,

@@ -1,13 +1,16 @@
 """Standard Transformer layer stacks in and out of the continuous model."""
 
 from collections.abc import Mapping, Sequence
+from typing import overload
 
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
 
 from ..controls._control import PiecewiseConstant, stack_layers, unstack_layers
 from ..controls._params import AttentionParams, FeedForwardParams, LayerParams, NormParams
-from ..models._transformer import ContinuousTransformer
+from ..models._transformer import ContinuousTransformer, NormPosition
+from ..operators import Activation
 
 LAYER_KEYS: tuple[str, ...] = (
     "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
@@ -56,6 +59,7 @@ def _check_layers(layers: Sequence[Mapping]) -> tuple[int, int]:
                     f"layers[0]['wq'] and ['w1'] must be matrices; got shapes {wq}, {w1}."
                 )
             d, d_ff = wq[0], w1[1]
+        assert d_ff is not None  # set together with d, from layers[0]
         expected = _expected_shapes(d, d_ff)
         for k in LAYER_KEYS:
             if layer[k] is None:
@@ -81,6 +85,10 @@ def _check_layers(layers: Sequence[Mapping]) -> tuple[int, int]:
     return d, d_ff
 
 
+@overload
+def _array(x: None, dtype) -> None: ...
+@overload
+def _array(x: object, dtype) -> Array: ...
 def _array(x, dtype):
     return None if x is None else jnp.asarray(x, dtype=dtype)
 
@@ -119,9 +127,9 @@ def _dtype_of(layers) -> np.dtype:
 def from_layers(
     layers: Sequence[Mapping],
     *,
-    norm: str = "post",
+    norm: NormPosition = "post",
     num_heads: int,
-    activation: str = "relu",
+    activation: Activation = "relu",
     causal: bool = False,
     ln_eps: float = 1e-5,
     final_norm: Mapping | None = None,

@@ -2,7 +2,7 @@
 
 import diffrax
 import jax.numpy as jnp
-from diffrax import RESULTS, MultiTerm
+from diffrax import RESULTS
 from jaxtyping import Array, Bool, Float
 
 from ..controls._control import AbstractControl
@@ -20,7 +20,7 @@ def time_grid(control: AbstractControl, steps_per_layer: int, dtype):
 
 
 def solve(
-    terms: MultiTerm,
+    terms: diffrax.AbstractTerm,
     solver: diffrax.AbstractSolver,
     control: AbstractControl,
     u0,
@@ -88,7 +88,7 @@ def _constant_steps(solver, control: AbstractControl, ts) -> diffrax.AbstractSte
     # a step boundary is harmless. A Runge-Kutta stage at the end of a step reads it at
     # the boundary itself, where a piecewise-constant control already has the next
     # layer's value: step to just before each jump and restart just after it.
-    if jumps is None or isinstance(inner, AbstractSplittingSolver):
+    if jumps is None or jumps.size == 0 or isinstance(inner, AbstractSplittingSolver):
         return diffrax.StepTo(ts=ts)
     scale = ts[-1] - ts[0]
     on_jump = jnp.any(
@@ -173,6 +173,6 @@ def adaptive_controller(
     """A PID controller that steps onto every discontinuity of the control."""
     pid = diffrax.PIDController(rtol=rtol, atol=atol)
     jumps = control.jump_ts
-    if jumps is None:
+    if jumps is None or jumps.size == 0:  # e.g. a single layer: nothing to step onto
         return pid
     return diffrax.ClipStepSizeController(pid, jump_ts=jumps)

@@ -59,7 +59,7 @@ class AbstractExplicitTerm(AbstractSplitTerm):
     sub_solver: eqx.AbstractVar[SubSolver]
 
     @abc.abstractmethod
-    def field(self, theta: LayerParams, u, args: DynamicsArgs):
+    def field(self, theta: LayerParams, u, args: DynamicsArgs) -> Float[Array, "*batch N d"]:
         """The vector field with the controls given."""
 
     def vf(self, t, y, args: DynamicsArgs):

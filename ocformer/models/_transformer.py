@@ -37,8 +37,9 @@ from ..dynamics._terms import (
     AveragedFeedForwardTerm,
     FeedForwardTerm,
     ProjectionTerm,
+    SubSolver,
 )
-from ..operators import Attention, FeedForward, Grid, LayerNormProjection
+from ..operators import Activation, Attention, FeedForward, Grid, LayerNormProjection
 from ..splitting import SCHEMES, AbstractSplittingSolver, Lie, Strang
 
 NormPosition = Literal["post", "pre"]
@@ -154,7 +155,7 @@ class ContinuousTransformer(eqx.Module):
     relaxation_eps: float = eqx.field(static=True)
     rtol: float = eqx.field(static=True)
     atol: float = eqx.field(static=True)
-    sub_solver: str = eqx.field(static=True)
+    sub_solver: SubSolver = eqx.field(static=True)
 
     def __init__(
         self,
@@ -163,7 +164,7 @@ class ContinuousTransformer(eqx.Module):
         norm: NormPosition = "post",
         num_heads: int = 1,
         causal: bool = False,
-        activation: str = "relu",
+        activation: Activation = "relu",
         ln_eps: float = 0.0,
         grid: Grid = Grid(),  # noqa: B008 (an immutable module)
         final_norm: NormParams | None = None,
@@ -175,7 +176,7 @@ class ContinuousTransformer(eqx.Module):
         stepsize: StepSize | diffrax.AbstractAdaptiveStepSizeController = "constant",
         rtol: float = 1e-6,
         atol: float = 1e-8,
-        sub_solver: str = "euler",
+        sub_solver: SubSolver = "euler",
     ):
         if norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}.")
@@ -320,25 +321,29 @@ class ContinuousTransformer(eqx.Module):
         (``MultiTerm``, one per operator) for splitting schemes, one ``ODETerm`` for
         other solvers, ``MultiTerm(explicit ODETerm, implicit ODETerm)`` for IMEX."""
         sub = self.sub_solver
+        # Terms are built by keyword: type checkers order their fields differently from
+        # equinox, which drops the base class's AbstractVar sub_solver.
         if self.formulation == "split":
             if self.norm == "post":
                 return MultiTerm(
-                    AttentionTerm(self.attention, sub_solver=sub),
+                    AttentionTerm(attention=self.attention, sub_solver=sub),
                     ProjectionTerm(self.layer_norm, "norm1"),
                     AveragedFeedForwardTerm(self.feedforward),
                     # After the averaging step the projection sees (a + b)/2: eps/4.
                     ProjectionTerm(self.layer_norm, "norm2", eps_scale=0.25),
                 )
             split = (
-                AttentionTerm(self.attention, pre_norm=self.layer_norm, sub_solver=sub),
-                FeedForwardTerm(self.feedforward, pre_norm=self.layer_norm, sub_solver=sub),
+                AttentionTerm(attention=self.attention, pre_norm=self.layer_norm, sub_solver=sub),
+                FeedForwardTerm(
+                    feedforward=self.feedforward, pre_norm=self.layer_norm, sub_solver=sub
+                ),
             )
             if self.is_splitting:
                 return MultiTerm(*split)
             return diffrax.ODETerm(SumField(split))
         smooth = (
-            AttentionTerm(self.attention, sub_solver=sub),
-            FeedForwardTerm(self.feedforward, sub_solver=sub),
+            AttentionTerm(attention=self.attention, sub_solver=sub),
+            FeedForwardTerm(feedforward=self.feedforward, sub_solver=sub),
         )
         if self.formulation == "projected":
             if self.is_splitting:
@@ -347,7 +352,7 @@ class ContinuousTransformer(eqx.Module):
                 # both ends, around the tangent flows.
                 return MultiTerm(
                     ProjectionTerm(LayerNormProjection(eps=0.0), "norm2"),
-                    *(TangentTerm(t, sub_solver=sub) for t in smooth),
+                    *(TangentTerm(term=t, sub_solver=sub) for t in smooth),
                 )
             return diffrax.ODETerm(ProjectedField(smooth))
         # Weakly typed, so it does not promote a float32 state.
@@ -461,6 +466,7 @@ class ContinuousTransformer(eqx.Module):
         model = self._in_dtype(u0.dtype)
         terms = model.terms()
         inner = bind_solver(inner, terms)
+        assert isinstance(inner, AbstractSplittingSolver)  # bind_solver keeps the type
         args = DynamicsArgs(control=model.control, key_mask=key_mask)
         ts, ys = sol.ts, sol.ys
 
@@ -490,6 +496,7 @@ class ContinuousTransformer(eqx.Module):
         u_t = sol.ys[-1]
         if self.final_norm is not None:
             final = self._in_dtype(u0.dtype).final_norm
+            assert final is not None  # the dtype cast keeps the structure
             u_t = self.layer_norm(final, u_t)
         return u_t
 

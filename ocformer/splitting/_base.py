@@ -36,7 +36,8 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
                 f"{type(self).__name__} does not know how many terms it splits; call "
                 "`.for_terms(terms)` (ocformer.dynamics.solve does this for you)."
             )
-        return MultiTerm[tuple[(AbstractTerm,) * self.num_terms]]
+        # A type built at runtime (diffrax checks the terms against it), not an annotation.
+        return MultiTerm[tuple[(AbstractTerm,) * self.num_terms]]  # pyright: ignore[reportInvalidTypeArguments]
 
     def for_terms(self, terms: MultiTerm):
         """This scheme bound to the number of terms of ``terms``."""

@@ -160,7 +160,7 @@ class Hybrid(AbstractSplittingSolver):
         return y
 
 
-SCHEMES: dict[str, type[AbstractSplittingSolver]] = {
+SCHEMES: dict[str, type[Lie | Strang | Parallel | Hybrid]] = {
     "lie": Lie,
     "strang": Strang,
     "parallel": Parallel,

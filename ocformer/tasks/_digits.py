@@ -1,7 +1,7 @@
 """Classification of scikit-learn's bundled 8x8 handwritten digits."""
 
 import functools
-from typing import ClassVar, Literal, final
+from typing import ClassVar, Literal, cast, final
 
 import numpy as np
 
@@ -14,8 +14,10 @@ _SPLIT_SEED = 20240601  # fixed: the split never depends on a run's seed
 @functools.lru_cache(maxsize=1)
 def _digits() -> tuple[np.ndarray, np.ndarray]:
     from sklearn.datasets import load_digits
+    from sklearn.utils import Bunch
 
-    data = load_digits()
+    # The default return_X_y=False returns a Bunch; sklearn leaves the union untyped.
+    data = cast(Bunch, load_digits())
     images = (data.images / 16.0).astype(np.float32)  # pixel values 0..16 -> [0, 1]
     labels = data.target.astype(np.int32)
     order = np.random.default_rng(_SPLIT_SEED).permutation(len(labels))
