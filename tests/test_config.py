@@ -117,6 +117,13 @@ BAD_CONFIGS = [
     (["model.norm=post", "solver.name=tsit5"], "solver.name", "smooth vector field"),
     (["model.formulation=relaxed"], "model.formulation", "smooth limit of post-LN"),
     (["objective.kernel_norm=spectral"], "objective.kernel_bound", "go together"),
+    (["objective.sigma_floor=0"], "objective.sigma_floor", "> 0"),
+    (["controls.kind=basis", "controls.basis_size=5"], "controls.basis_size", "must be <= 2"),
+    (
+        ["controls.kind=basis", "controls.basis_size=2"],
+        "objective.sigma_floor",
+        "expansion coefficients",
+    ),
     (
         ["train.debug_nan_at_step=500", "train.steps=10"],
         "train.debug_nan_at_step",

@@ -188,6 +188,9 @@ def test_constraints_validate_and_refuse_basis_controls():
     basis = Basis(coeffs, 0.0, 3.0, family="legendre")
     with pytest.raises(ValueError, match="coefficients"):
         Constraints().project(model(control=basis))
+    # With nothing to enforce, the model passes through unchanged.
+    free = model(control=basis)
+    assert Constraints(sigma_floor=None).project(free) is free
 
 
 def test_objective_under_non_splitting_solver():

@@ -107,7 +107,9 @@ class ObjectiveConfig:
     control_smoothness: float = _field(0.0, "weight of int |theta'(t)|^2 dt", ge=0.0)
     control_size: float = _field(0.0, "weight of int |theta(t)|^2 dt", ge=0.0)
     kinetic_energy: float = _field(0.0, "weight of int |u_t|^2 dt", ge=0.0)
-    sigma_floor: float = _field(1e-3, "lower bound on sigma2 (layer-norm scale)", ge=0.0)
+    sigma_floor: float | None = _field(
+        1e-3, "lower bound on sigma2 (layer-norm scale); None: no floor", gt=0.0
+    )
     kernel_norm: str | None = _field(
         None, "norm bounded on every kernel", choices=(None, "frobenius", "spectral")
     )

@@ -213,6 +213,22 @@ def _check_combinations(c: Config) -> None:
             "solver.name set to a diffrax solver",
         )
     o = c.objective
+    if c.controls.kind == "basis":
+        if c.controls.basis_size > m.num_layers:
+            raise ConfigError(
+                "controls.basis_size",
+                f"basis_size={c.controls.basis_size} coefficient sets are fitted to the "
+                f"model.num_layers={m.num_layers} initial layers by least squares, so it "
+                f"must be <= {m.num_layers}; lower controls.basis_size or add layers",
+            )
+        if o.sigma_floor is not None or o.kernel_norm is not None:
+            raise ConfigError(
+                "objective.sigma_floor",
+                "constraints are enforced by projecting the stored control values, and a "
+                "basis control stores expansion coefficients (clipping them neither "
+                "bounds theta(t) nor projects it); set objective.sigma_floor=none and no "
+                "kernel bound, or use controls.kind=piecewise_constant|piecewise_linear",
+            )
     if (o.kernel_norm is None) != (o.kernel_bound is None):
         raise ConfigError(
             "objective.kernel_bound",

@@ -108,9 +108,12 @@ class Constraints(eqx.Module):
         """The model with its transformer's controls projected onto the admissible set.
 
         Raises:
-            ValueError: the control is a ``Basis``: its stored values are expansion
-                coefficients, and clipping those does not bound theta(t).
+            ValueError: a constraint is active and the control is a ``Basis``: its
+                stored values are expansion coefficients, and clipping those does not
+                bound theta(t).
         """
+        if self.sigma_floor is None and self.kernel_norm is None:
+            return model  # nothing to enforce
         if isinstance(model.transformer.control, Basis):
             raise ValueError(
                 "Constraints cannot be enforced on a Basis control by projection: its "
