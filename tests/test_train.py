@@ -178,3 +178,16 @@ def test_schedule_is_warmup_then_cosine():
     np.testing.assert_allclose(float(lr(110)), 1e-4, rtol=1e-5)
     const = make_schedule(OptimiserConfig(learning_rate=2e-3, schedule="constant"), 100)
     assert float(const(0)) == float(const(99)) == 2e-3
+
+
+def test_resume_drops_samples_written_after_the_checkpoint(tmp_path):
+    from ocformer.training._metrics import rewind_samples
+
+    path = tmp_path / "samples.txt"
+    path.write_text("=== step 10 ===\nabc\n\n=== step 20 ===\nde\nf\n\n=== step 30 ===\nxyz\n\n")
+    rewind_samples(str(path), 20)
+    assert path.read_text() == "=== step 10 ===\nabc\n\n=== step 20 ===\nde\nf\n\n"
+    rewind_samples(str(path), 25)  # nothing after the checkpoint: unchanged
+    assert path.read_text().count("=== step") == 2
+    rewind_samples(str(path), 5)
+    assert path.read_text() == ""

@@ -24,7 +24,7 @@ from ..checkpoint import CheckpointManager, atomic_write_text, remove_stale_temp
 from ..config import Config, to_dict, validate
 from ._build import Experiment, build
 from ._errors import NonFiniteError, Preempted, SolverFailure
-from ._metrics import MetricsLog, TensorBoard
+from ._metrics import MetricsLog, TensorBoard, rewind_samples
 from ._preempt import PreemptionGuard
 from ._run_info import git_revision, package_versions, platform_info
 from ._step import FINITE_SOURCES, make_eval_step, make_train_step
@@ -153,6 +153,7 @@ def train(config: Config, workdir: str, *, argv: list[str] | None = None) -> dic
     metrics_log.rewind(step)
     tb = TensorBoard(os.path.join(workdir, "tb"), purge_step=step + 1 if step else None)
     samples_path = os.path.join(workdir, "samples.txt")
+    rewind_samples(samples_path, step)
     task = exp.task
     is_lm = task.kind == "lm"
     eval_set = [

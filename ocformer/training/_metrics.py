@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 from ..checkpoint import atomic_write_text
 
@@ -52,6 +53,20 @@ class MetricsLog:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()
+
+
+def rewind_samples(path: str, step: int) -> None:
+    """Drop the text samples a killed run wrote after ``step`` (its last checkpoint), so
+    that a resumed run does not repeat them. Samples are blocks headed
+    ``=== step N ===``."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    blocks = re.split(r"(?m)^(?==== step \d+ ===$)", text)
+    kept = [b for b in blocks if b and int(re.match(r"=== step (\d+) ===", b).group(1)) <= step]
+    if len(kept) != len([b for b in blocks if b]):
+        atomic_write_text(path, "".join(kept))
 
 
 class TensorBoard:
