@@ -11,3 +11,4 @@ from ._convergence import (
     study_input as study_input,
     study_model as study_model,
 )
+from ._gradients import gradient_comparison as gradient_comparison
