@@ -78,10 +78,11 @@ print(f"fitted slope of the optimise-then-discretise gap in dt: {otd['slope']:.2
 # piecewise-constant control values) at the finest grid: the exact methods agree, and
 # optimise-then-discretise is close to them once the grid is fine.
 #
-# Measured on this model: the slope is about 1, not Heun's order 2. The forward solve
-# steps over the control's jumps at the layer boundaries, but the backward costate
-# solve walks the grid with constant steps, so each layer's first backward stage reads
-# the next layer's control; this costs one order.
+# Measured on this model: the slope is about 2, Heun's order (gaps 0.361, 0.188, 0.046,
+# 0.0056 at m = 1, 2, 4, 8). Both solves step over the control's jumps at the layer
+# boundaries; a backward solve with plain constant steps would start each layer's first
+# stage on the boundary, read the next layer's control, and lose one order (measured
+# slope 1.06).
 
 # %%
 steps = result["steps_per_layer"]

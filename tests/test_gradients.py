@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ocformer.controls import PiecewiseConstant, init_stacked_params
+from ocformer.dynamics._solve import BackwardGrid
 from ocformer.gradients import (
     GRADIENT_METHODS,
     Direct,
@@ -107,7 +108,12 @@ def test_prepare_sets_the_adjoint():
     assert isinstance(Direct().prepare(model).transformer.adjoint, diffrax.DirectAdjoint)
     otd = OptimiseThenDiscretise().prepare(build("pre", diffrax.Euler(), 4)).transformer.adjoint
     assert isinstance(otd, diffrax.BacksolveAdjoint)
-    assert otd.kwargs["dt0"] == -0.25
+    # The backward solve walks the forward grid from t1 to t0 (4 steps per layer), stepping
+    # over the layer jumps as the forward solve of a non-splitting solver does.
+    grid = otd.kwargs["stepsize_controller"]
+    assert isinstance(grid, BackwardGrid)
+    np.testing.assert_allclose(grid.times, np.linspace(0.0, L, 4 * L + 1), rtol=0, atol=1e-15)
+    assert [t for t, j in zip(grid.times, grid.on_jump) if j] == list(range(1, L))
 
 
 def test_otd_refuses_splitting_schemes_and_says_why():

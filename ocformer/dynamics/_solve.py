@@ -1,7 +1,9 @@
 """The single place where operators, time stepping and gradient method meet."""
 
 import diffrax
+import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from diffrax import RESULTS
 from jaxtyping import Array, Bool, Float
 
@@ -141,6 +143,53 @@ class StepOverJumps(diffrax.AbstractStepSizeController):
             controller_state + 1,
             RESULTS.successful,
         )
+
+
+class BackwardGrid(diffrax.AbstractStepSizeController):
+    """The forward constant-step grid walked from t1 back to t0, for the backward solve of
+    a continuous adjoint: the same steps, and over the control's jumps in the same way,
+    so that no backward stage reads the neighbouring layer's controls either.
+
+    The grid is held as static tuples and made into arrays only inside the solve: this
+    controller lives in a model that is differentiated, and its times must carry no
+    tangent.
+
+    Args:
+        times: the forward grid t0 < ... < t1.
+        on_jump: which grid points are jumps of the control (stepped over).
+    """
+
+    times: tuple[float, ...] = eqx.field(static=True)
+    on_jump: tuple[bool, ...] = eqx.field(static=True)
+
+    def _controller(self):
+        ts = jnp.asarray(self.times[::-1])
+        if any(self.on_jump):
+            return StepOverJumps(ts=ts, on_jump=jnp.asarray(self.on_jump[::-1]))
+        return diffrax.StepTo(ts=ts)
+
+    def wrap(self, direction):
+        return self._controller().wrap(direction)
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        return self._controller().init(terms, t0, t1, y0, dt0, args, func, error_order)
+
+    def adapt_step_size(self, *args, **kwargs):
+        return self._controller().adapt_step_size(*args, **kwargs)
+
+
+def backward_grid_controller(
+    solver: diffrax.AbstractSolver, control: AbstractControl, steps_per_layer: int
+) -> BackwardGrid:
+    """``BackwardGrid`` for the constant-step grid of ``solver`` on ``control``."""
+    t0, t1 = control.interval
+    times = np.linspace(t0, t1, control.num_layers * steps_per_layer + 1)
+    forward = _constant_steps(solver, control, jnp.asarray(times))
+    if isinstance(forward, StepOverJumps):
+        jumps = tuple(bool(j) for j in np.asarray(forward.on_jump))
+    else:
+        jumps = (False,) * len(times)
+    return BackwardGrid(times=tuple(float(t) for t in times), on_jump=jumps)
 
 
 def bind_solver(solver: diffrax.AbstractSolver, terms) -> diffrax.AbstractSolver:

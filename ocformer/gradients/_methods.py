@@ -8,6 +8,7 @@ import equinox as eqx
 
 from ..controls import PiecewiseConstant
 from ..dynamics import ProjectedSolver
+from ..dynamics._solve import backward_grid_controller
 from ..models._sequence import SequenceModel
 from ..models._transformer import ContinuousTransformer
 from ..splitting import AbstractSplittingSolver
@@ -117,12 +118,13 @@ class OptimiseThenDiscretise(AbstractGradientMethod):
             # wrapped solver.
             kwargs["solver"] = stepper.solver
         if transformer.stepsize_controller is None:
-            # The forward grid is StepTo(ts), which cannot be reused backward: diffrax
-            # re-solves between consecutive saved times from t1 down. The same uniform
-            # grid is walked backward with constant steps of -dt instead.
-            t0, t1 = transformer.control.interval
-            kwargs["stepsize_controller"] = diffrax.ConstantStepSize()
-            kwargs["dt0"] = -(t1 - t0) / _num_steps(transformer)
+            # The forward grid (StepTo, or stepping over the control's jumps) is walked
+            # backward from t1: with plain constant steps the first backward stage of
+            # every layer would sit on its boundary and read the next layer's controls,
+            # which costs an order of the solver.
+            kwargs["stepsize_controller"] = backward_grid_controller(
+                stepper, transformer.control, transformer.steps_per_layer
+            )
         return diffrax.BacksolveAdjoint(**kwargs)
 
 
