@@ -64,7 +64,11 @@ def rewind_samples(path: str, step: int) -> None:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     blocks = re.split(r"(?m)^(?==== step \d+ ===$)", text)
-    kept = [b for b in blocks if b and int(re.match(r"=== step (\d+) ===", b).group(1)) <= step]
+    def block_step(block: str) -> int:
+        match = re.match(r"=== step (\d+) ===", block)
+        return int(match.group(1)) if match else 0  # text before the first header
+
+    kept = [b for b in blocks if b and block_step(b) <= step]
     if len(kept) != len([b for b in blocks if b]):
         atomic_write_text(path, "".join(kept))
 
