@@ -64,6 +64,7 @@ def rewind_samples(path: str, step: int) -> None:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     blocks = re.split(r"(?m)^(?==== step \d+ ===$)", text)
+
     def block_step(block: str) -> int:
         match = re.match(r"=== step (\d+) ===", block)
         return int(match.group(1)) if match else 0  # text before the first header
