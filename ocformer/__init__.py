@@ -7,7 +7,7 @@ ocformer poses that equation in diffrax, with every parameter a control theta(t)
 
 from . import (
     analysis as analysis,
-    checkpoint as checkpoint,
+    checkpointing as checkpointing,
     config as config,
     controls as controls,
     convert as convert,

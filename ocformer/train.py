@@ -45,7 +45,7 @@ def _fail(code: int, message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    from .checkpoint import CheckpointError
+    from .checkpointing import CheckpointError
     from .config import ConfigError, resolve
     from .training import ExitCode, TrainingError
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from ocformer import train as cli
-from ocformer.checkpoint import MARKER, CheckpointManager
+from ocformer.checkpointing import MARKER, CheckpointManager
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(name="reliability")]
 
@@ -215,7 +215,7 @@ def test_sigkill_during_saves_never_restores_a_torn_checkpoint(env, reference, t
 _SAVER = r"""
 import sys
 import numpy as np
-from ocformer.checkpoint import CheckpointManager
+from ocformer.checkpointing import CheckpointManager
 mgr = CheckpointManager(sys.argv[1], keep=3)
 mgr.clean()
 step = (mgr.latest() or 0) + 1

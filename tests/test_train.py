@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ocformer import train as cli
-from ocformer.checkpoint import CheckpointManager, NonFiniteCheckpointError
+from ocformer.checkpointing import CheckpointManager, NonFiniteCheckpointError
 from ocformer.config import OptimiserConfig, resolve
 from ocformer.training import ExitCode, NonFiniteError, make_schedule, train
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from ..checkpoint import CheckpointManager, atomic_write_text, remove_stale_temporaries
+from ..checkpointing import CheckpointManager, atomic_write_text, remove_stale_temporaries
 from ..config import Config, to_dict, validate
 from ._build import Experiment, build
 from ._errors import NonFiniteError, Preempted, SolverFailure
@@ -121,7 +121,7 @@ def train(config: Config, workdir: str, *, argv: list[str] | None = None) -> dic
     Raises:
         ConfigError: invalid configuration (nothing traced or written).
         ocformer.tasks.DataNotFoundError: missing data.
-        ocformer.checkpoint.CheckpointError: a corrupted or mismatched checkpoint.
+        ocformer.checkpointing.CheckpointError: a corrupted or mismatched checkpoint.
         SolverFailure: a diffrax solve failed.
         NonFiniteError: NaN/Inf with ``train.on_nonfinite="abort"``.
         Preempted: SIGTERM; a checkpoint was written first.

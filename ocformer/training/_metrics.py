@@ -5,7 +5,7 @@ import math
 import os
 import re
 
-from ..checkpoint import atomic_write_text
+from ..checkpointing import atomic_write_text
 
 
 def _plain(value):
