@@ -21,6 +21,7 @@ lint: setup
 	$(BIN)/ruff format --check ocformer tests benchmarks experiments
 	$(BIN)/ruff check ocformer tests benchmarks experiments
 	$(BIN)/pyright
+	$(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/python -m benchmarks.run --json benchmarks/results.json

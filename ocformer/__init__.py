@@ -2,23 +2,31 @@
 
 A Transformer is the operator-splitting discretisation of
 u_t = A(u) + dI_S1(u) + F(u) + dI_S2(u) (Tai, Liu, Li, Chan, arXiv 2510.03989);
-ocformer poses that equation in diffrax, with every parameter a control theta(t).
+ocformer poses that equation in diffrax, with every parameter a control theta(t), and
+keeps the equation (``ContinuousTransformer``) apart from its numerics
+(``Discretisation``).
 """
 
-from . import (
-    analysis as analysis,
-    checkpointing as checkpointing,
-    config as config,
-    controls as controls,
-    convert as convert,
-    dynamics as dynamics,
-    gradients as gradients,
-    models as models,
-    objective as objective,
-    operators as operators,
-    splitting as splitting,
-    tasks as tasks,
-    training as training,
-)
+from importlib.metadata import PackageNotFoundError, version as _version
 
-__version__ = "0.1.0"
+from .config import Config as Config
+from .convert import from_layers as from_layers, to_layers as to_layers
+from .integration import (
+    Direct as Direct,
+    Discretisation as Discretisation,
+    DiscretiseThenOptimise as DiscretiseThenOptimise,
+    OptimiseThenDiscretise as OptimiseThenDiscretise,
+)
+from .models import (
+    ContinuousTransformer as ContinuousTransformer,
+    SequenceModel as SequenceModel,
+    rediscretise as rediscretise,
+    refine as refine,
+)
+from .splitting import Hybrid as Hybrid, Lie as Lie, Parallel as Parallel, Strang as Strang
+from .training import train as train
+
+try:
+    __version__ = _version("ocformer")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"

@@ -17,7 +17,10 @@ from ocformer.controls import (
     init_stacked_params,
     make_control,
 )
-from ocformer.models import ContinuousTransformer, refine, with_scheme
+import diffrax
+
+from ocformer.models import ContinuousTransformer, rediscretise, refine
+from ocformer.splitting import Strang
 
 L, D, DFF = 3, 4, 6
 
@@ -105,7 +108,7 @@ def test_make_control(values):
 def test_basis_model_is_the_same_at_different_step_counts():
     # A smooth control is one function of t whatever the grid: Strang (order 2) at
     # m = 4, 8, 16 differs by the discretisation error, which shrinks 4x per halving.
-    model = with_scheme(study_model("pre"), solver="strang", sub_solver="midpoint")
+    model = rediscretise(study_model("pre"), stepper=Strang(sub_solver="midpoint"))
     u0 = study_input(model)
     u = [refine(model, m)(u0) for m in (4, 8, 16)]
     d1, d2 = float(jnp.max(jnp.abs(u[0] - u[1]))), float(jnp.max(jnp.abs(u[1] - u[2])))
@@ -120,7 +123,7 @@ def test_piecewise_constant_refinement_converges():
     values = init_stacked_params(jr.PRNGKey(2), 3, 8, 16, init_scale=0.5, dtype=jnp.float64)
     model = ContinuousTransformer(PiecewiseConstant(values), norm="pre", num_heads=2)
     u0 = jr.normal(jr.PRNGKey(3), (6, 8), jnp.float64)
-    ref = with_scheme(model, solver="tsit5", steps_per_layer=64)(u0)
+    ref = rediscretise(model, stepper=diffrax.Tsit5(), steps_per_layer=64)(u0)
     steps = (4, 8, 16)
     errors = [float(jnp.max(jnp.abs(refine(model, m)(u0) - ref))) for m in steps]
     slope = fitted_slope([1 / m for m in steps], errors)

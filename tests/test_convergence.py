@@ -29,6 +29,31 @@ def test_lie_and_strang_orders(formulation):
         assert all(a > b for a, b in zip(r["errors"], r["errors"][1:]))
 
 
+def test_every_claimed_order_is_measured():
+    """Every (stepper, formulation) whose order() claims an order converges at that order
+    under refinement: measured local slopes at the finest steps within 0.3 of it."""
+    cells = {
+        "pre": ["lie", "strang", "parallel", "heun"],
+        "projected": ["lie", "strang", "heun"],
+    }
+    for formulation, names in cells.items():
+        result = convergence_study(names, STEPS, formulation=formulation, reference_factor=4)
+        for name, r in result["schemes"].items():
+            assert r["status"] == "ok", (formulation, name, r)
+            assert abs(r["local_slopes"][-1] - r["expected_order"]) <= 0.3, (formulation, name, r)
+
+
+def test_refused_cells_are_recorded_and_the_rest_computed(capsys):
+    result = convergence_study(["lie", "parallel"], STEPS, formulation="projected")
+    cells = result["schemes"]
+    assert cells["lie"]["status"] == "ok" and len(cells["lie"]["errors"]) == len(STEPS)
+    assert cells["parallel"]["status"] == "refused"
+    assert "discretisation.stepper" in cells["parallel"]["reason"]
+    from ocformer.analysis import format_table
+
+    assert "refused" in format_table(result)
+
+
 @pytest.mark.slow
 def test_diffrax_solver_orders_match_order():
     # Heun (order 2) and Bosh3 (order 3) on the

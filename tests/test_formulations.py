@@ -11,16 +11,16 @@ import pytest
 from ocformer.analysis import convergence_study, study_input, study_model
 from ocformer.controls import PiecewiseConstant, init_stacked_params
 from ocformer.dynamics import (
-    SOLVERS,
+    AttentionTerm,
     DynamicsArgs,
+    FeedForwardTerm,
     ProjectedField,
     constraint_residual,
     project_onto_set,
-    solver_by_name,
 )
-from ocformer.dynamics._terms import AttentionTerm, FeedForwardTerm
-from ocformer.models import ContinuousTransformer, with_scheme
-from ocformer.splitting import Lie, Parallel, Strang
+from ocformer.integration import Discretisation
+from ocformer.models import ContinuousTransformer, IncompatibleError, rediscretise
+from ocformer.splitting import SOLVERS, Lie, Parallel, Strang, solver_by_name
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def test_parallel_euler_is_diffrax_euler_on_the_sum():
     values = init_stacked_params(jr.PRNGKey(0), 3, 8, 16, init_scale=0.5, dtype=jnp.float64)
     model = ContinuousTransformer(PiecewiseConstant(values), norm="pre", num_heads=2)
     u0 = jr.normal(jr.PRNGKey(1), (5, 8), jnp.float64)
-    a = with_scheme(model, solver=Parallel(), steps_per_layer=2)(u0)
-    b = with_scheme(model, solver="euler", steps_per_layer=2)(u0)
+    a = rediscretise(model, stepper=Parallel(), steps_per_layer=2)(u0)
+    b = rediscretise(model, stepper=diffrax.Euler(), steps_per_layer=2)(u0)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-12)
 
 
@@ -60,7 +60,10 @@ def test_pid_steps_onto_control_jumps():
     control = PiecewiseConstant(values)
     u0 = jr.normal(jr.PRNGKey(1), (5, 8), jnp.float64)
     pid = ContinuousTransformer(
-        control, norm="pre", num_heads=2, solver="tsit5", stepsize="pid", rtol=1e-9, atol=1e-11
+        control,
+        norm="pre",
+        num_heads=2,
+        discretisation=Discretisation(diffrax.Tsit5(), stepsize="pid", rtol=1e-9, atol=1e-11),
     )
     ts, ys = pid.trajectory(u0)
     ts = np.asarray(ts)
@@ -68,7 +71,10 @@ def test_pid_steps_onto_control_jumps():
     for jump in (1.0, 2.0):  # the layer boundaries
         assert np.min(np.abs(accepted - jump)) < 1e-12
     fine = ContinuousTransformer(
-        control, norm="pre", num_heads=2, solver="tsit5", steps_per_layer=64
+        control,
+        norm="pre",
+        num_heads=2,
+        discretisation=Discretisation(diffrax.Tsit5(), steps_per_layer=64),
     )(u0)
     # Global error of local tolerances 1e-9 over three layers; stepping onto the jumps
     # is what makes it small (at a jump the field changes by O(1)).
@@ -82,9 +88,15 @@ def test_single_layer_has_no_jumps_to_step_onto():
         init_stacked_params(jr.PRNGKey(0), 1, 8, 16, init_scale=0.5, dtype=jnp.float64)
     )
     u0 = jr.normal(jr.PRNGKey(1), (5, 8), jnp.float64)
-    common = dict(norm="pre", num_heads=2, solver="tsit5", ln_eps=1e-5)
-    pid = ContinuousTransformer(control, stepsize="pid", rtol=1e-9, atol=1e-11, **common)
-    fine = ContinuousTransformer(control, steps_per_layer=64, **common)
+    common = dict(norm="pre", num_heads=2, ln_eps=1e-5)
+    pid = ContinuousTransformer(
+        control,
+        discretisation=Discretisation(diffrax.Tsit5(), stepsize="pid", rtol=1e-9, atol=1e-11),
+        **common,
+    )
+    fine = ContinuousTransformer(
+        control, discretisation=Discretisation(diffrax.Tsit5(), steps_per_layer=64), **common
+    )
     np.testing.assert_allclose(pid(u0), fine(u0), rtol=0, atol=1e-6)
 
 
@@ -107,13 +119,13 @@ def test_projected_field_keeps_the_moving_constraints(post):
 
 
 @pytest.mark.parametrize(
-    "options",
-    [dict(solver="lie"), dict(solver="strang", sub_solver="midpoint"), dict(solver="tsit5")],
+    "stepper",
+    [Lie(), Strang(sub_solver="midpoint"), diffrax.Tsit5()],
     ids=["lie", "strang", "tsit5"],
 )
-def test_projected_states_stay_on_s1(post, options):
+def test_projected_states_stay_on_s1(post, stepper):
     u0 = 3.0 * study_input(post)  # far from S1: the start is projected first
-    model = with_scheme(post, steps_per_layer=2, **options)
+    model = rediscretise(post, stepper=stepper, steps_per_layer=2)
     ts, ys = model.trajectory(u0)
     residuals = jax.vmap(lambda t, y: constraint_residual(model.control(t).norm2, y))(ts, ys)
     assert float(jnp.max(residuals)) <= 1e-10
@@ -131,43 +143,71 @@ def test_relaxation_converges_to_projected_dynamics():
     assert 0.8 <= result["slope"] <= 1.2, result
 
 
-def test_incompatible_pairs_are_refused(pre, post):
-    control = post.control
+def _build(control, *, stepper=None, norm="pre", formulation="split", relaxation_eps=1e-2, **d):
+    return ContinuousTransformer(
+        control,
+        norm=norm,
+        num_heads=2,
+        formulation=formulation,
+        relaxation_eps=relaxation_eps,
+        discretisation=Discretisation(stepper, **d),
+    )
+
+
+def test_incompatible_pairs_are_refused_naming_the_field(pre, post):
+    control = post.control  # scalar layer-norm sets, Basis controls
     values = init_stacked_params(jr.PRNGKey(0), 2, 8, 16, dtype=jnp.float64)
     feature = PiecewiseConstant(values)
+    tsit5 = diffrax.Tsit5()
     bad = [
-        (dict(control=feature, norm="post", solver="tsit5"), "only a splitting scheme"),
-        (dict(control=control, norm="post", formulation="projected", solver=Parallel()),
-         "only Lie and Strang"),
-        (dict(control=control, norm="post", formulation="relaxed", solver=Lie()),
-         "stiff relaxation"),
-        (dict(control=control, norm="pre", solver="kencarp5"), "no stiff part"),
-        (dict(control=control, norm="post", formulation="relaxed", solver="tsit5",
-              relaxation_eps=1e-3), "unstable"),
-        (dict(control=control, norm="pre", solver=Strang(), stepsize="pid"),
-         "no error estimate"),
-        (dict(control=feature, norm="pre", solver="tsit5",
-              stepsize=diffrax.PIDController(rtol=1e-6, atol=1e-8)), "jump_ts"),
-        (dict(control=feature, norm="post", formulation="projected", solver="tsit5"),
-         "scalar layer-norm"),
-        (dict(control=control, norm="pre", formulation="projected", solver="tsit5"),
+        (dict(control=feature, norm="post", stepper=tsit5), "discretisation.stepper",
+         "splitting scheme"),
+        (dict(control=control, norm="post", formulation="projected", stepper=Parallel()),
+         "discretisation.stepper", "only lie, strang"),
+        (dict(control=control, norm="post", formulation="relaxed", stepper=Lie()),
+         "discretisation.stepper", "stiff relaxation"),
+        (dict(control=control, stepper=diffrax.KenCarp5()), "discretisation.stepper",
+         "no stiff part"),
+        (dict(control=control, norm="post", formulation="relaxed", stepper=tsit5,
+              relaxation_eps=1e-3), "discretisation.steps_per_layer", "unstable"),
+        (dict(control=control, stepper=Strang(), stepsize="pid"), "discretisation.stepsize",
+         "error estimate"),
+        (dict(control=feature, stepper=tsit5, stepsize="pid", jump_ts=False),
+         "discretisation.jump_ts", "jump_ts=true"),
+        (dict(control=feature, norm="post", formulation="projected", stepper=tsit5),
+         "controls.norm_affine", "scalar"),
+        (dict(control=control, formulation="projected", stepper=tsit5), "model.formulation",
          "already a smooth ODE"),
-        (dict(control=control, norm="pre", solver="rk4"), "Unknown solver name"),
-        (dict(control=control, norm="pre", formulation="smooth"), "formulation must be"),
+        (dict(control=feature, norm="post", steps_per_layer=2), "discretisation.steps_per_layer",
+         "no continuous limit"),
     ]  # fmt: skip
-    for kwargs, match in bad:
-        with pytest.raises(ValueError, match=match):
-            ContinuousTransformer(kwargs.pop("control"), num_heads=2, **kwargs)
-    with pytest.warns(UserWarning, match="limited by stability"):
-        ContinuousTransformer(
-            control, norm="post", formulation="relaxed", solver="tsit5", stepsize="pid",
-            num_heads=2,
-        )  # fmt: skip
+    for kwargs, field, match in bad:
+        with pytest.raises(IncompatibleError, match=match) as info:
+            _build(kwargs.pop("control"), **kwargs)
+        assert info.value.field == field, (kwargs, str(info.value))
+    with pytest.raises(ValueError, match="formulation must be"):
+        _build(control, formulation="smooth")
+    with pytest.raises(ValueError, match="stepper must be"):
+        Discretisation("rk4")  # pyright: ignore[reportArgumentType]
     # Allowed: an implicit solver on the smooth pre-LN ODE; explicit on a mild relaxation.
-    ContinuousTransformer(control, norm="pre", solver="kvaerno5", num_heads=2)
-    ContinuousTransformer(
-        control, norm="post", formulation="relaxed", solver="tsit5", relaxation_eps=0.5,
-        num_heads=2,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="only the discretisation"):
-        with_scheme(pre, num_heads=4)
+    _build(control, stepper=diffrax.Kvaerno5())
+    _build(control, norm="post", formulation="relaxed", stepper=tsit5, relaxation_eps=0.5)
+    with pytest.raises(ValueError, match="has no field num_heads"):
+        rediscretise(pre, num_heads=4)
+
+
+def test_otd_refusals_give_the_reason_per_scheme_and_formulation(pre, post):
+    from ocformer.integration import OptimiseThenDiscretise
+
+    otd = OptimiseThenDiscretise()
+    with pytest.raises(IncompatibleError, match="pre-LN is a smooth ODE") as info:
+        rediscretise(pre, stepper=Strang(), gradient=otd)
+    assert info.value.field == "discretisation.gradient"
+    assert "projection sub-flows" not in str(info.value)
+    with pytest.raises(IncompatibleError, match="projected dynamics stepped by a splitting"):
+        rediscretise(post, stepper=Lie(), gradient=otd)
+    values = init_stacked_params(jr.PRNGKey(0), 2, 8, 16, dtype=jnp.float64)
+    post_split = ContinuousTransformer(PiecewiseConstant(values), norm="post", num_heads=2)
+    with pytest.raises(IncompatibleError, match="projection sub-flows"):
+        rediscretise(post_split, gradient=otd)
+    rediscretise(pre, stepper=diffrax.Heun(), gradient=otd)  # the smooth ODE: allowed

@@ -15,21 +15,30 @@ import numpy as np
 import pytest
 
 from ocformer.controls import PiecewiseConstant, init_stacked_params
-from ocformer.dynamics._solve import BackwardGrid
-from ocformer.gradients import (
+from ocformer.integration import (
     GRADIENT_METHODS,
+    BackwardGrid,
+    Discretisation,
     Direct,
     DiscretiseThenOptimise,
     OptimiseThenDiscretise,
 )
-from ocformer.models import ContinuousTransformer, Readout, SequenceModel, TokenEmbedding
+from ocformer.models import (
+    ContinuousTransformer,
+    IncompatibleError,
+    Readout,
+    SequenceModel,
+    TokenEmbedding,
+    rediscretise,
+    refine,
+)
 from ocformer.objective import Objective
 from ocformer.tasks import CopyTask
 
 L, D, DFF, V, N = 2, 4, 8, 5, 6
 
 
-def build(norm="post", solver=None, steps_per_layer=1):
+def build(norm="post", stepper=None, steps_per_layer=1, gradient=None):
     k = jr.split(jr.key(0), 3)
     control = PiecewiseConstant(init_stacked_params(k[0], L, D, DFF, dtype=jnp.float64))
     transformer = ContinuousTransformer(
@@ -37,9 +46,10 @@ def build(norm="post", solver=None, steps_per_layer=1):
         norm=norm,
         num_heads=2,
         causal=True,
-        solver=solver,
-        steps_per_layer=steps_per_layer,
         ln_eps=1e-5 if norm == "pre" else 0.0,
+        discretisation=Discretisation(
+            stepper, steps_per_layer=steps_per_layer, gradient=gradient
+        ),
     )
     embedding = TokenEmbedding(V, N, D, key=k[1], dtype=jnp.float64)
     return SequenceModel(embedding, transformer, Readout(D, V, key=k[2], dtype=jnp.float64))
@@ -99,48 +109,70 @@ def test_registry_names():
         assert cls.name == name
 
 
-def test_prepare_sets_the_adjoint():
-    model = build()
-    dto = DiscretiseThenOptimise().prepare(model).transformer.adjoint
+def _adjoint(model):
+    t = model.transformer
+    d = t.discretisation
+    return d.gradient.adjoint(t.time_stepper(), t.control, d.steps_per_layer, d.is_adaptive)
+
+
+def test_adjoints_are_derived_from_the_grid():
+    dto = _adjoint(build())
     assert isinstance(dto, diffrax.RecursiveCheckpointAdjoint) and dto.checkpoints == L
-    refined = build(steps_per_layer=3)
-    assert DiscretiseThenOptimise().prepare(refined).transformer.adjoint.checkpoints == 3 * L
-    assert isinstance(Direct().prepare(model).transformer.adjoint, diffrax.DirectAdjoint)
-    otd = OptimiseThenDiscretise().prepare(build("pre", diffrax.Euler(), 4)).transformer.adjoint
+    # Refinement changes the grid, and with it the checkpoints: nothing is copied over.
+    assert _adjoint(refine(build("pre"), 3)).checkpoints == 3 * L
+    assert isinstance(_adjoint(build(gradient=Direct())), diffrax.DirectAdjoint)
+    otd_model = build("pre", diffrax.Euler(), 1, OptimiseThenDiscretise())
+    otd = _adjoint(refine(otd_model, 4))
     assert isinstance(otd, diffrax.BacksolveAdjoint)
-    # The backward solve walks the forward grid from t1 to t0 (4 steps per layer), stepping
-    # over the layer jumps as the forward solve of a non-splitting solver does.
+    # The backward solve walks the refined forward grid from t1 to t0 (4 steps per
+    # layer), stepping over the layer jumps as the forward solve of a non-splitting
+    # solver does.
     grid = otd.kwargs["stepsize_controller"]
     assert isinstance(grid, BackwardGrid)
     np.testing.assert_allclose(grid.times, np.linspace(0.0, L, 4 * L + 1), rtol=0, atol=1e-15)
     assert [t for t, j in zip(grid.times, grid.on_jump) if j] == list(range(1, L))
 
 
+@pytest.mark.parametrize(
+    "method", [DiscretiseThenOptimise, OptimiseThenDiscretise, Direct], ids=lambda c: c.name
+)
+def test_refined_model_has_the_gradients_of_a_fresh_one(method):
+    """refine(model, m) derives everything grid-dependent (checkpoints, the backward
+    grid of the continuous adjoint, max_steps) anew: its gradients equal, in float64,
+    those of a model built at m steps per layer."""
+    objective = Objective(control_smoothness=0.1)
+    coarse = build("pre", diffrax.Heun(), 1, method())
+    fresh = build("pre", diffrax.Heun(), 4, method())
+    refined = refine(coarse, 4)
+    g_refined = value_and_grad(objective, refined, BATCH)
+    g_fresh = value_and_grad(objective, fresh, BATCH)
+    assert relative_gap(g_refined, g_fresh) <= 1e-12
+    # And the coarse model's gradient differs: the test can fail.
+    assert relative_gap(value_and_grad(objective, coarse, BATCH), g_fresh) > 1e-3
+
+
 def test_otd_refuses_splitting_schemes_and_says_why():
-    with pytest.raises(ValueError, match="splitting scheme.*BacksolveAdjoint.*adjoint splitting"):
-        OptimiseThenDiscretise().prepare(build("post"))
+    with pytest.raises(IncompatibleError, match="projection sub-flows") as info:
+        build("post", gradient=OptimiseThenDiscretise())
+    assert info.value.field == "discretisation.gradient"
 
 
 def test_otd_refuses_projected_dynamics_with_jumping_controls():
-    k = jr.split(jr.key(0), 3)
-    values = init_stacked_params(k[0], L, D, DFF, dtype=jnp.float64, norm_affine="scalar")
-    transformer = ContinuousTransformer(
-        PiecewiseConstant(values), num_heads=2, solver="euler", formulation="projected"
-    )
-    model = SequenceModel(
-        TokenEmbedding(V, N, D, key=k[1], dtype=jnp.float64),
-        transformer,
-        Readout(D, V, key=k[2], dtype=jnp.float64),
-    )
-    with pytest.raises(ValueError, match="continuous controls.*jumps"):
-        OptimiseThenDiscretise().prepare(model)
+    values = init_stacked_params(jr.key(0), L, D, DFF, dtype=jnp.float64, norm_affine="scalar")
+    with pytest.raises(IncompatibleError, match="continuous controls.*jumps"):
+        ContinuousTransformer(
+            PiecewiseConstant(values),
+            num_heads=2,
+            formulation="projected",
+            discretisation=Discretisation(diffrax.Euler(), gradient=OptimiseThenDiscretise()),
+        )
 
 
 @pytest.mark.parametrize("method", [DiscretiseThenOptimise, Direct])
 def test_exact_methods_match_finite_differences(method):
-    """Post-LN, Lie scheme, two steps per layer, every running cost on: the gradient of
+    """Pre-LN, Lie scheme, two steps per layer, every running cost on: the gradient of
     the discrete objective, to the float64 central-difference error."""
-    model = method().prepare(build("post", steps_per_layer=2))
+    model = build("pre", steps_per_layer=2, gradient=method())
     grad = value_and_grad(OBJECTIVE, model, BATCH)
     direction = random_direction(model)
     fd = directional_fd(OBJECTIVE, model, BATCH, direction)
@@ -161,7 +193,7 @@ def test_gradient_under_vmap():
     """Per-example gradients through jax.vmap: each matches finite differences of its
     own example, and their mean is the batch gradient (equal scored positions per
     example make the batch loss the mean of the per-example losses)."""
-    model = DiscretiseThenOptimise().prepare(build("post"))
+    model = build("post")
     objective = Objective(control_smoothness=0.1)
 
     def loss_one(m, inputs, targets):
@@ -192,8 +224,9 @@ def test_otd_converges_to_the_discrete_gradient():
     steps = [1, 4, 16]
     for m in steps:
         model = build("pre", diffrax.Euler(), m)
-        exact = value_and_grad(objective, DiscretiseThenOptimise().prepare(model), BATCH)
-        otd = value_and_grad(objective, OptimiseThenDiscretise().prepare(model), BATCH)
+        exact = value_and_grad(objective, model, BATCH)
+        otd_model = rediscretise(model, gradient=OptimiseThenDiscretise())
+        otd = value_and_grad(objective, otd_model, BATCH)
         gaps.append(relative_gap(otd, exact))
     assert gaps[0] > 0.3  # the coarse-grid disagreement is real, not rounding
     slope = np.polyfit(np.log(steps), np.log(gaps), 1)[0]
@@ -204,7 +237,7 @@ def test_otd_converges_to_the_discrete_gradient():
 def test_otd_on_pre_ln_vmaps():
     """The continuous adjoint runs under vmap; per-example costates average to the
     batch costate (the backward solve is linear in the terminal condition)."""
-    model = OptimiseThenDiscretise().prepare(build("pre", diffrax.Euler(), 2))
+    model = build("pre", diffrax.Euler(), 2, OptimiseThenDiscretise())
     objective = Objective()
 
     def loss_one(m, inputs, targets):

@@ -14,6 +14,7 @@ from ocformer.controls import (
     init_layer_params,
     init_stacked_params,
 )
+from ocformer.integration import Discretisation
 from ocformer.models import ContinuousTransformer, Readout, SequenceModel, TokenEmbedding
 from ocformer.objective import (
     Constraints,
@@ -37,7 +38,11 @@ def model(norm="post", steps_per_layer=1, control=None):
     k = jr.split(jr.key(1), 2)
     control = PiecewiseConstant(stacked()) if control is None else control
     t = ContinuousTransformer(
-        control, norm=norm, num_heads=2, causal=True, steps_per_layer=steps_per_layer
+        control,
+        norm=norm,
+        num_heads=2,
+        causal=True,
+        discretisation=Discretisation(steps_per_layer=steps_per_layer),
     )
     return SequenceModel(
         TokenEmbedding(V, N, D, key=k[0], dtype=jnp.float64),
@@ -196,7 +201,11 @@ def test_constraints_validate_and_refuse_basis_controls():
 def test_objective_under_non_splitting_solver():
     k = jr.split(jr.key(1), 2)
     t = ContinuousTransformer(
-        PiecewiseConstant(stacked()), norm="pre", num_heads=2, causal=True, solver=diffrax.Heun()
+        PiecewiseConstant(stacked()),
+        norm="pre",
+        num_heads=2,
+        causal=True,
+        discretisation=Discretisation(diffrax.Heun()),
     )
     m = SequenceModel(
         TokenEmbedding(V, N, D, key=k[0], dtype=jnp.float64),

@@ -6,7 +6,10 @@ import jax.tree_util as jtu
 import numpy as np
 import pytest
 
+import diffrax
+
 from ocformer.controls import PiecewiseConstant, init_stacked_params
+from ocformer.integration import Discretisation
 from ocformer.models import ContinuousTransformer
 from ocformer.splitting import SCHEMES, Hybrid, Lie, Parallel, Strang
 
@@ -83,14 +86,20 @@ def u0():
     return jr.normal(jr.PRNGKey(5), (N, D), jnp.float64)
 
 
-def _pre(solver, sub_solver="euler"):
+def _pre(stepper, steps_per_layer=1):
     return ContinuousTransformer(
-        _control(), norm="pre", num_heads=H, ln_eps=LN_EPS, solver=solver, sub_solver=sub_solver
+        _control(),
+        norm="pre",
+        num_heads=H,
+        ln_eps=LN_EPS,
+        discretisation=Discretisation(stepper, steps_per_layer=steps_per_layer),
     )
 
 
-def _post(solver):
-    return ContinuousTransformer(_control(), norm="post", num_heads=H, ln_eps=LN_EPS, solver=solver)
+def _post(stepper):
+    return ContinuousTransformer(
+        _control(), norm="post", num_heads=H, ln_eps=LN_EPS, discretisation=Discretisation(stepper)
+    )
 
 
 def post_layer(p, u):
@@ -120,7 +129,7 @@ def test_strang_pre(u0, sub_solver, flow):
         a, f = np_pre_fields(p)
         return flow(a, 0.5, flow(f, 1.0, flow(a, 0.5, u)))
 
-    got, want = run(_pre(Strang(), sub_solver), u0, layer)
+    got, want = run(_pre(Strang(sub_solver=sub_solver)), u0, layer)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
@@ -181,11 +190,29 @@ def test_scheme_registry_and_orders():
         cls()  # no required arguments
     assert _pre(Lie()).order() == 1
     assert _pre(Strang()).order() == 1  # Euler sub-steps cap Strang at 1
-    assert _pre(Strang(), "midpoint").order() == 2
-    assert _pre(Strang(), "heun").order() == 2
-    assert _pre(Parallel(), "midpoint").order() == 1
-    assert _pre(Hybrid(), "midpoint").order() == 1
-    assert _post(Strang()).order() == 1  # the averaged FFN sub-step is first order
+    assert _pre(Strang(sub_solver="midpoint")).order() == 2
+    assert _pre(Strang(sub_solver="heun")).order() == 2
+    assert _pre(Parallel(sub_solver="midpoint")).order() == 1
+    assert _pre(Hybrid(sub_solver="midpoint")).order() == 1
+    # The averaged post-LN feed-forward step is not a consistent flow: order 0, and
+    # refinement is refused (tests/test_formulations.py).
+    assert _post(Strang()).order() == 0
+    assert _post(Lie()).order() == 0
+
+
+def test_closing_projection_takes_eps_over_4_only_after_the_average(u0):
+    # Parallel feeds the closing projection u^n itself, not an average: plain eps.
+    def layer(p, u):
+        branches = [
+            u + 4.0 * np_attention(p.attention, u),
+            np_norm(p.norm1, u),
+            0.5 * (np_mlp(p.feedforward, u, 4.0) + u),
+            np_norm(p.norm2, u),
+        ]
+        return sum(branches) / 4.0
+
+    got, want = run(_post(Parallel()), u0, layer)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
 def test_bad_scheme_arguments(u0):
@@ -198,9 +225,7 @@ def test_bad_scheme_arguments(u0):
 
 
 def test_substeps_end_on_the_step_states(u0):
-    model = ContinuousTransformer(
-        _control(), norm="pre", num_heads=H, ln_eps=LN_EPS, solver=Strang(), steps_per_layer=2
-    )
+    model = _pre(Strang(), steps_per_layer=2)
     ts, ys = model.trajectory(u0)
     assert ts.shape == (L * 2 + 1,) and ys.shape == (L * 2 + 1, N, D)
     np.testing.assert_allclose(ys[-1], model(u0), rtol=0, atol=1e-13)
@@ -211,6 +236,4 @@ def test_substeps_end_on_the_step_states(u0):
     np.testing.assert_allclose(sts[::per_step], ts, rtol=0, atol=1e-15)
     assert np.all(np.diff(np.asarray(sts)) > 0)
     with pytest.raises(ValueError, match="splitting scheme"):
-        ContinuousTransformer(_control(), norm="pre", num_heads=H, solver="heun").trajectory(
-            u0, substeps=True
-        )
+        _pre(diffrax.Heun()).trajectory(u0, substeps=True)

@@ -154,10 +154,10 @@ def test_solver_failure_is_named_with_step_and_message(tmp_path, capsys):
     for o in [
         *QUIET,
         "train.steps=2",
-        "solver.name=heun",
-        "solver.stepsize=pid",
-        "solver.rtol=1e-14",
-        "solver.atol=1e-14",
+        "discretisation.stepper=heun",
+        "discretisation.stepsize=pid",
+        "discretisation.rtol=1e-14",
+        "discretisation.atol=1e-14",
     ]:
         argv += ["--set", o]
     assert cli.main(argv) == ExitCode.SOLVER_FAILURE == 3

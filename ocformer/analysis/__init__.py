@@ -7,7 +7,8 @@ from ._convergence import (
     fitted_slope as fitted_slope,
     format_table as format_table,
     plot_study as plot_study,
-    scheme_options as scheme_options,
+    local_slopes as local_slopes,
+    study_stepper as study_stepper,
     study_input as study_input,
     study_model as study_model,
 )

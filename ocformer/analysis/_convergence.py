@@ -18,10 +18,10 @@ import numpy as np
 
 from ..controls._init import init_stacked_params
 from ..controls._make import make_control
-from ..dynamics._solvers import SOLVERS
-from ..models._transformer import ContinuousTransformer, with_scheme
+from ..integration import Discretisation
+from ..models import ContinuousTransformer, IncompatibleError, reformulate
 from ..operators import Activation
-from ..splitting import SCHEMES
+from ..splitting import SCHEMES, SOLVERS
 
 STUDY_FORMULATIONS: tuple[str, ...] = ("pre", "projected", "relaxed")
 REFERENCE_SOLVER = "tsit5"
@@ -31,6 +31,13 @@ def fitted_slope(dts: Sequence[float], errors: Sequence[float]) -> float:
     """Least-squares slope of log(error) against log(dt)."""
     x, y = np.log(np.asarray(dts, float)), np.log(np.asarray(errors, float))
     return float(np.polyfit(x, y, 1)[0])
+
+
+def local_slopes(dts: Sequence[float], errors: Sequence[float]) -> list[float]:
+    """The slopes of log(error) against log(dt) between consecutive points: where they
+    settle is the asymptotic order, which a fit over all points may average away."""
+    x, y = np.log(np.asarray(dts, float)), np.log(np.asarray(errors, float))
+    return [float(s) for s in np.diff(y) / np.diff(x)]
 
 
 def study_model(
@@ -53,8 +60,8 @@ def study_model(
     the biases vary in t), fitted by a Legendre basis with ``num_basis`` terms.
     ``"pre"``: pre-LN with per-feature layer norms; ``"projected"``/``"relaxed"``:
     post-LN with the paper's scalar sets in the projected formulation (the limit the
-    relaxation converges to), solved by Tsit5 until a scheme is chosen with
-    ``with_scheme``.
+    relaxation converges to), solved by Tsit5 until another discretisation is chosen
+    with ``ocformer.models.rediscretise``.
 
     The hidden activation defaults to GELU: with ReLU the field has a kink wherever a
     hidden unit changes sign, so it is only Lipschitz in u and every method above
@@ -89,17 +96,13 @@ def study_model(
     ]
     values = jtu.tree_unflatten(treedef, leaves)
     control = make_control("basis", values, num_basis=num_basis)
-    if post:
-        return ContinuousTransformer(
-            control,
-            norm="post",
-            num_heads=num_heads,
-            activation=activation,
-            formulation="projected",
-            solver="tsit5",
-        )
     return ContinuousTransformer(
-        control, norm="pre", num_heads=num_heads, activation=activation, solver="tsit5"
+        control,
+        norm="post" if post else "pre",
+        num_heads=num_heads,
+        activation=activation,
+        formulation="projected" if post else "split",
+        discretisation=Discretisation(SOLVERS[REFERENCE_SOLVER]()),
     )
 
 
@@ -108,18 +111,19 @@ def study_input(model: ContinuousTransformer, seed: int = 0, tokens: int = 6) ->
     return jr.normal(jr.PRNGKey(seed + 1), (tokens, model.width), jnp.float64)
 
 
-def scheme_options(name: str) -> dict:
-    """Solver options for a scheme name (a splitting scheme or a diffrax solver).
+def study_stepper(name: str):
+    """The time stepper of a study column (a splitting scheme or a diffrax solver).
 
     Splitting schemes whose splitting is of order >= 2 get second-order (explicit
     midpoint) sub-flows, since Euler sub-steps would cap them at order 1.
     """
     if name in SCHEMES:
         scheme = SCHEMES[name]()
-        sub = "midpoint" if scheme.splitting_order(2) >= 2 else "euler"
-        return dict(solver=scheme, sub_solver=sub)
+        if scheme.splitting_order(2) >= 2:
+            scheme = SCHEMES[name](sub_solver="midpoint")  # pyright: ignore[reportCallIssue]
+        return scheme
     if name in SOLVERS:
-        return dict(solver=name, sub_solver="euler")
+        return SOLVERS[name]()
     raise ValueError(
         f"Unknown scheme {name!r}; splitting schemes: {', '.join(SCHEMES)}; diffrax "
         f"solvers: {', '.join(SOLVERS)}."
@@ -157,7 +161,7 @@ def convergence_study(
     slope in epsilon (expected 1); ``schemes`` and ``steps`` are then unused.
 
     Args:
-        schemes: names from ``ocformer.splitting.SCHEMES`` or ``ocformer.dynamics.SOLVERS``.
+        schemes: names from ``ocformer.splitting.SCHEMES`` or ``ocformer.splitting.SOLVERS``.
         steps: steps per layer.
         formulation: ``"pre"`` (smooth pre-LN), ``"projected"`` or ``"relaxed"``
             (post-LN).
@@ -168,8 +172,11 @@ def convergence_study(
 
     Returns:
         A JSON-ready dict: the set-up, and per scheme the step counts, step sizes,
-        errors, fitted slope, the scheme's ``order()``, and the sub-solver used (with
-        a note when it was chosen for the scheme); for ``"relaxed"``, per epsilon.
+        errors, fitted slope, local slopes, the scheme's ``order()``, and the sub-solver
+        used (with a note when it was chosen for the scheme); for ``"relaxed"``, per
+        epsilon. A scheme the rules refuse for this formulation, or whose solve fails,
+        is recorded as ``{"status": "refused" | "failed", "reason": ...}`` and the
+        other schemes are still computed.
     """
     if model is None:
         model = study_model(formulation, seed)
@@ -181,8 +188,10 @@ def convergence_study(
     length = (t1 - t0) / model.num_layers
     ref_steps = reference_factor * (steps[-1] if formulation != "relaxed" else relaxed_steps)
     ref_form = "projected" if formulation == "relaxed" else model.formulation
-    reference = with_scheme(
-        model, solver=REFERENCE_SOLVER, formulation=ref_form, steps_per_layer=ref_steps
+    reference = reformulate(
+        model,
+        formulation=ref_form,
+        discretisation=Discretisation(SOLVERS[REFERENCE_SOLVER](), steps_per_layer=ref_steps),
     )
     u_ref = reference(u0)
     out: dict = dict(
@@ -201,14 +210,13 @@ def convergence_study(
     if formulation == "relaxed":
         errors = []
         for eps in epsilons:
-            relaxed = with_scheme(
+            relaxed = reformulate(
                 model,
-                solver=relaxed_solver,
                 formulation="relaxed",
                 relaxation_eps=float(eps),
-                steps_per_layer=relaxed_steps,
-                rtol=1e-10,
-                atol=1e-12,
+                discretisation=Discretisation(
+                    SOLVERS[relaxed_solver](), steps_per_layer=relaxed_steps, rtol=1e-10, atol=1e-12
+                ),
             )
             errors.append(_error(relaxed(u0), u_ref))
         out["relaxation"] = dict(
@@ -222,33 +230,41 @@ def convergence_study(
         return out
     results = {}
     for name in schemes:
-        options = scheme_options(name)
+        stepper = study_stepper(name)
+        sub_solver = getattr(stepper, "sub_solver", "euler")
         errors, dts = [], []
         expected = None
-        for m in steps:
-            discrete = with_scheme(
-                model,
-                steps_per_layer=m,
-                formulation=model.formulation,
-                rtol=1e-10,
-                atol=1e-12,
-                **options,
-            )
-            expected = discrete.order()
-            errors.append(_error(discrete(u0), u_ref))
-            dts.append(length / m)
+        try:
+            for m in steps:
+                discrete = reformulate(
+                    model,
+                    discretisation=Discretisation(
+                        stepper, steps_per_layer=m, rtol=1e-10, atol=1e-12
+                    ),
+                )
+                expected = discrete.order()
+                errors.append(_error(discrete(u0), u_ref))
+                dts.append(length / m)
+        except IncompatibleError as e:
+            results[name] = dict(status="refused", reason=str(e))
+            continue
+        except Exception as e:  # a failing cell is recorded; the study goes on
+            results[name] = dict(status="failed", reason=f"{type(e).__name__}: {e}")
+            continue
         entry: dict[str, Any] = dict(
+            status="ok",
             steps_per_layer=list(steps),
             dt=dts,
             errors=errors,
             slope=fitted_slope(dts, errors),
+            local_slopes=local_slopes(dts, errors),
             expected_order=expected,
-            sub_solver=options["sub_solver"],
+            sub_solver=sub_solver,
         )
-        if options["sub_solver"] != "euler":
+        if sub_solver != "euler":
             entry["note"] = (
                 f"{name} is a second-order splitting: its explicit sub-flows use the "
-                f"{options['sub_solver']} rule (Euler sub-steps would make it first order)."
+                f"{sub_solver} rule (Euler sub-steps would make it first order)."
             )
         results[name] = entry
     out["schemes"] = results
@@ -270,22 +286,27 @@ def format_table(result: dict) -> str:
             lines.append(f"{e:>10.1e}  {err:>10.3e}")
         lines.append(f"slope in eps: {r['slope']:.3f} (expected {r['expected_order']})")
         return "\n".join(lines)
-    names = list(result["schemes"])
-    steps = result["schemes"][names[0]]["steps_per_layer"]
+    cells = result["schemes"]
+    names = list(cells)
+    ok = [n for n in names if cells[n]["status"] == "ok"]
     lines.append(f"{'steps/layer':>12}" + "".join(f"{n:>14}" for n in names))
+
+    def cell(n, key, fmt, i=None):
+        if cells[n]["status"] != "ok":
+            return f"{cells[n]['status']:>14}"
+        value = cells[n][key] if i is None else cells[n][key][i]
+        return f"{format(value, fmt):>14}"
+
+    steps = cells[ok[0]]["steps_per_layer"] if ok else []
     for i, m in enumerate(steps):
-        row = "".join(f"{result['schemes'][n]['errors'][i]:>14.3e}" for n in names)
-        lines.append(f"{m:>12d}{row}")
-    lines.append(
-        f"{'slope':>12}" + "".join(f"{result['schemes'][n]['slope']:>14.3f}" for n in names)
-    )
-    lines.append(
-        f"{'order()':>12}"
-        + "".join(f"{str(result['schemes'][n]['expected_order']):>14}" for n in names)
-    )
+        lines.append(f"{m:>12d}" + "".join(cell(n, "errors", ".3e", i) for n in names))
+    lines.append(f"{'slope':>12}" + "".join(cell(n, "slope", ".3f") for n in names))
+    lines.append(f"{'order()':>12}" + "".join(cell(n, "expected_order", "") for n in names))
     for n in names:
-        if "note" in result["schemes"][n]:
-            lines.append(f"note: {result['schemes'][n]['note']}")
+        if "note" in cells[n]:
+            lines.append(f"note: {cells[n]['note']}")
+        if cells[n]["status"] != "ok":
+            lines.append(f"{n} {cells[n]['status']}: {cells[n]['reason']}")
     return "\n".join(lines)
 
 
@@ -303,6 +324,8 @@ def plot_study(result: dict, path: str) -> None:
         ax.set_xlabel("epsilon")
     else:
         for name, r in result["schemes"].items():
+            if r["status"] != "ok":
+                continue
             ax.loglog(r["dt"], r["errors"], "o-", label=f"{name} (slope {r['slope']:.2f})")
         ax.set_xlabel("dt")
     ax.set_ylabel("error at T")

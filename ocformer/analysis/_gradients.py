@@ -17,12 +17,13 @@ import jax.random as jr
 import numpy as np
 
 from ..controls import PiecewiseConstant, init_stacked_params
-from ..gradients import GRADIENT_METHODS
-from ..models import ContinuousTransformer, Readout, SequenceModel, TokenEmbedding
+from ..integration import GRADIENT_METHODS, Discretisation
+from ..models import ContinuousTransformer, Readout, SequenceModel, TokenEmbedding, rediscretise
 from ..objective import Objective
 from ..operators import Activation
+from ..splitting import SOLVERS
 from ..tasks import CopyTask
-from ._convergence import fitted_slope
+from ._convergence import fitted_slope, local_slopes
 
 REFERENCE_METHOD = "discretise_then_optimise"
 ROUNDING_GAP = 1e-10
@@ -74,8 +75,8 @@ def gradient_comparison(
     controls from ``init_stacked_params``, ``norm="pre"``, ``solver``, m steps per
     layer); the loss is the cross-entropy on a fixed ``CopyTask`` batch, with no running
     cost, so that every term of the gradient goes through the ODE. For each m, every
-    method in ``methods`` differentiates the same model (same controls, only the adjoint
-    differs, set by the method's ``prepare``); the reference is the
+    method in ``methods`` differentiates the same model (same controls, only the
+    discretisation's gradient method differs); the reference is the
     discretise-then-optimise gradient, the exact gradient of the discrete model.
 
     The hidden activation defaults to GELU: the field is then smooth in u, and the
@@ -83,8 +84,8 @@ def gradient_comparison(
 
     Args:
         steps_per_layer: step counts m (dt = 1/m), at least two.
-        methods: names from ``ocformer.gradients.GRADIENT_METHODS``.
-        solver: a diffrax solver name (``ocformer.dynamics.SOLVERS``) that
+        methods: names from ``ocformer.integration.GRADIENT_METHODS``.
+        solver: a diffrax solver name (``ocformer.splitting.SOLVERS``) that
             optimise-then-discretise accepts (not a splitting scheme).
         seed: seeds the controls, embedding, readout and batch.
         num_layers, width, hidden, num_heads, vocab, seq_len, batch_size, activation:
@@ -94,7 +95,8 @@ def gradient_comparison(
         A JSON-ready dict: the set-up, ``steps_per_layer``, ``dt``, ``loss`` per m and,
         per method, ``gaps`` (relative 2-norm distance of its control gradient to the
         reference, per m), ``slope`` (fitted log-log slope of the gaps against dt, None
-        when every gap is below ``ROUNDING_GAP``) and ``per_layer_norms`` (per m, the
+        when every gap is below ``ROUNDING_GAP``), ``local_slopes`` (between
+        consecutive step counts) and ``per_layer_norms`` (per m, the
         norm of the control gradient on each layer).
     """
     if not jax.config.jax_enable_x64:  # pyright: ignore[reportAttributeAccessIssue]
@@ -107,6 +109,8 @@ def gradient_comparison(
         raise ValueError(
             f"Unknown gradient methods {unknown}; known: {', '.join(GRADIENT_METHODS)}."
         )
+    if solver not in SOLVERS:
+        raise ValueError(f"Unknown diffrax solver {solver!r}; known: {', '.join(SOLVERS)}.")
     steps = sorted(int(m) for m in steps_per_layer)
     if len(steps) < 2 or steps[0] < 1:
         raise ValueError(f"A slope needs at least two positive step counts, got {steps}.")
@@ -133,19 +137,16 @@ def gradient_comparison(
             causal=True,
             activation=activation,
             ln_eps=1e-5,
-            solver=solver,
-            steps_per_layer=m,
+            discretisation=Discretisation(SOLVERS[solver](), steps_per_layer=m),
         )
         model = SequenceModel(embedding, transformer, readout)
-        value, reference = _control_gradient(
-            objective, GRADIENT_METHODS[REFERENCE_METHOD]().prepare(model), batch
-        )
+        value, reference = _control_gradient(objective, model, batch)
         losses.append(float(value))
         for name in methods:
             if name == REFERENCE_METHOD:
                 grad = reference
             else:
-                model_for = GRADIENT_METHODS[name]().prepare(model)
+                model_for = rediscretise(model, gradient=GRADIENT_METHODS[name]())
                 grad = _control_gradient(objective, model_for, batch)[1]
             per_method[name]["gaps"].append(_relative_gap(grad, reference))
             per_method[name]["per_layer_norms"].append(_per_layer_norms(grad))
@@ -153,7 +154,9 @@ def gradient_comparison(
     dts = [1.0 / m for m in steps]
     for entry in per_method.values():
         gaps = entry["gaps"]
-        entry["slope"] = fitted_slope(dts, gaps) if min(gaps) > ROUNDING_GAP else None
+        above = min(gaps) > ROUNDING_GAP
+        entry["slope"] = fitted_slope(dts, gaps) if above else None
+        entry["local_slopes"] = local_slopes(dts, gaps) if above else None
     return dict(
         solver=solver,
         seed=seed,

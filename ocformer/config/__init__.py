@@ -10,15 +10,18 @@ from ._schema import (
     SECTIONS as SECTIONS,
     Config as Config,
     ControlsConfig as ControlsConfig,
-    GradientConfig as GradientConfig,
+    DiscretisationConfig as DiscretisationConfig,
     ModelConfig as ModelConfig,
     ObjectiveConfig as ObjectiveConfig,
     OptimiserConfig as OptimiserConfig,
-    SchemeConfig as SchemeConfig,
-    SolverConfig as SolverConfig,
     TaskConfig as TaskConfig,
     TrainConfig as TrainConfig,
-    from_dict as from_dict,
     to_dict as to_dict,
 )
-from ._validate import ConfigError as ConfigError, validate as validate
+from ._validate import (
+    ConfigError as ConfigError,
+    choices as choices,
+    from_dict as from_dict,
+    stepper_object as stepper_object,
+    validate as validate,
+)

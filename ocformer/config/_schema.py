@@ -1,6 +1,7 @@
 """The typed, frozen configuration of a training run.
 
-One schema, nine sections. Every field carries its allowed values (choices or a range)
+One schema, seven sections: the equation (``model``, ``controls``), its
+``discretisation``, the ``objective``, the ``optimiser``, the ``task`` and the ``train`` loop. Every field carries its allowed values (choices or a range)
 as dataclass metadata, so that validation, ``--set`` parsing and the documentation all
 read the same source. Nothing here imports JAX: a bad configuration is rejected before
 anything is traced or allocated.
@@ -49,27 +50,28 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class SchemeConfig:
-    """How time is stepped: the splitting scheme and the number of sub-steps per layer."""
+class DiscretisationConfig:
+    """How the equation is solved: field for field ``ocformer.integration.Discretisation``.
 
-    name: str = _field("lie", "splitting scheme (ocformer.splitting.SCHEMES)")
-    steps_per_layer: int = _field(1, "sub-steps per layer m (dt = 1/m); 1 is the Transformer", ge=1)
-
-
-@dataclass(frozen=True)
-class SolverConfig:
-    """The diffrax solver and step-size control.
-
-    ``name="scheme"`` means the splitting scheme is the solver (the Transformer); any
-    other name is a diffrax solver for the smooth formulations (``ocformer.dynamics``).
+    ``stepper`` names a splitting scheme (``ocformer.splitting.SCHEMES``; its
+    ``sub_solver`` steps the smooth terms) or a diffrax solver
+    (``ocformer.splitting.SOLVERS``) for the smooth formulations. Allowed names come
+    from those registries.
     """
 
-    name: str = _field("scheme", "'scheme' or a diffrax solver name (ocformer.dynamics.SOLVERS)")
-    stepsize: str = _field("constant", "step-size controller", choices=("constant", "pid"))
-    rtol: float = _field(1e-3, "relative tolerance of the PID controller", gt=0.0)
-    atol: float = _field(1e-6, "absolute tolerance of the PID controller", gt=0.0)
+    stepper: str = _field("lie", "time stepper: a splitting scheme or a diffrax solver")
+    sub_solver: str = _field(
+        "euler", "explicit sub-solver of a splitting scheme's smooth terms (order 1 or 2)"
+    )
+    steps_per_layer: int = _field(1, "steps per layer m (dt = 1/m); 1 is the Transformer", ge=1)
+    stepsize: str = _field("constant", "step-size controller (constant | pid)")
+    rtol: float = _field(1e-3, "relative tolerance of the PID controller and Newton", gt=0.0)
+    atol: float = _field(1e-6, "absolute tolerance of the PID controller and Newton", gt=0.0)
     jump_ts: bool = _field(
         True, "tell an adaptive controller where piecewise-constant controls jump"
+    )
+    gradient: str = _field(
+        "discretise_then_optimise", "gradient method (ocformer.integration.GRADIENT_METHODS)"
     )
 
 
@@ -86,17 +88,6 @@ class ControlsConfig:
     init_scale: float = _field(1.0, "multiplies every initial kernel's standard deviation", gt=0.0)
     norm_affine: str = _field(
         "feature", "layer-norm gain/bias shape", choices=("feature", "scalar")
-    )
-
-
-@dataclass(frozen=True)
-class GradientConfig:
-    """How the gradient of the objective is obtained."""
-
-    method: str = _field(
-        "discretise_then_optimise",
-        "gradient method (ocformer.gradients.GRADIENT_METHODS)",
-        choices=("discretise_then_optimise", "optimise_then_discretise", "direct"),
     )
 
 
@@ -187,10 +178,8 @@ class Config:
     """A complete training run. Build it in an experiment file's ``get_config``."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    scheme: SchemeConfig = field(default_factory=SchemeConfig)
-    solver: SolverConfig = field(default_factory=SolverConfig)
     controls: ControlsConfig = field(default_factory=ControlsConfig)
-    gradient: GradientConfig = field(default_factory=GradientConfig)
+    discretisation: DiscretisationConfig = field(default_factory=DiscretisationConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optimiser: OptimiserConfig = field(default_factory=OptimiserConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -203,21 +192,3 @@ SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
 def to_dict(config: Config) -> dict:
     """The configuration as nested plain data (tuples become lists), for JSON."""
     return dataclasses.asdict(config)
-
-
-def from_dict(data: dict) -> Config:
-    """The inverse of ``to_dict`` (unknown keys raise ``ConfigError``)."""
-    from ._validate import ConfigError, check_keys
-
-    if not isinstance(data, dict):
-        raise ConfigError("", f"a configuration must be a mapping, got {type(data).__name__}")
-    sections = {}
-    for name, value in data.items():
-        check_keys(name)
-        cls = type(getattr(Config(), name))
-        if not isinstance(value, dict):
-            raise ConfigError(name, f"must be a mapping of fields, got {type(value).__name__}")
-        for key in value:
-            check_keys(f"{name}.{key}")
-        sections[name] = cls(**value)
-    return Config(**sections)

@@ -1,8 +1,10 @@
 """Validation of a ``Config``: types, ranges, choices, and combinations that cannot work.
 
-Every error names the dotted field, the value received and what is allowed. Validation
-reads only the configuration and the names registered by the library (schemes,
-solvers); it traces and allocates nothing.
+Every error names the dotted field, the value received and what is allowed. Allowed
+names come from the library's registries (schemes, solvers, sub-solvers, gradient
+methods), and combinations are judged by the library's own rule table
+(``ocformer.models.rules``), the one model construction uses. Validation traces and
+allocates nothing.
 """
 
 import dataclasses
@@ -11,6 +13,10 @@ import types
 import typing
 from typing import Any
 
+from ..dynamics import SUB_SOLVERS
+from ..integration import GRADIENT_METHODS, STEPSIZES
+from ..models import Choices, describe_stepper, refusals
+from ..splitting import SCHEMES, SOLVERS
 from ._schema import SECTIONS, Config
 
 
@@ -116,21 +122,52 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
             raise ConfigError(path, f"must be {sign} {limit}, got {value!r}")
 
 
-def scheme_classes() -> dict[str, type]:
-    """The splitting schemes by name (``ocformer.splitting.SCHEMES``)."""
-    from .. import splitting
-
-    return dict(splitting.SCHEMES)
-
-
-def _registered_schemes() -> tuple[str, ...]:
-    return tuple(scheme_classes())
+def stepper_object(name: str, sub_solver: str = "euler"):
+    """The time stepper object of a ``discretisation.stepper`` name: a splitting scheme
+    with its sub-solver, or a diffrax solver. Names become objects here and in
+    ``ocformer.training.build``, nowhere else."""
+    if name in SCHEMES:
+        return SCHEMES[name](sub_solver=sub_solver)  # pyright: ignore[reportCallIssue]
+    return SOLVERS[name]()
 
 
-def _registered_solvers() -> tuple[str, ...]:
-    from .. import dynamics
+def _check_registered(c: Config) -> None:
+    d = c.discretisation
+    registries = (
+        ("discretisation.stepper", d.stepper, (*SCHEMES, *SOLVERS)),
+        ("discretisation.sub_solver", d.sub_solver, SUB_SOLVERS),
+        ("discretisation.stepsize", d.stepsize, STEPSIZES),
+        ("discretisation.gradient", d.gradient, tuple(GRADIENT_METHODS)),
+    )
+    for path, value, allowed in registries:
+        if value not in allowed:
+            near = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(
+                path, f"got {value!r}{hint} allowed: {', '.join(repr(a) for a in allowed)}"
+            )
 
-    return tuple(dynamics.SOLVERS)
+
+def choices(c: Config) -> Choices:
+    """The configuration's equation and discretisation as the rules' plain values."""
+    d, m = c.discretisation, c.model
+    sub_solver = d.sub_solver if d.stepper in SCHEMES else "euler"
+    return dataclasses.replace(
+        Choices(
+            **describe_stepper(stepper_object(d.stepper, sub_solver)),
+            steps_per_layer=d.steps_per_layer,
+            stepsize=d.stepsize,
+            jump_ts=d.jump_ts,
+            gradient=d.gradient,
+            norm=m.norm,
+            formulation=m.formulation,
+            relaxation_eps=m.relaxation_eps,
+            controls=c.controls.kind,
+            scalar_norm=c.controls.norm_affine == "scalar",
+            num_layers=m.num_layers,
+        ),
+        sub_solver=d.sub_solver,
+    )
 
 
 def validate(config: Config) -> Config:
@@ -161,57 +198,10 @@ def _check_combinations(c: Config) -> None:
             f"num_heads={m.num_heads} must divide model.width={m.width}; choose a "
             f"divisor of {m.width}",
         )
-    if m.formulation != "split" and m.norm != "post":
-        raise ConfigError(
-            "model.formulation",
-            f"formulation={m.formulation!r} is a smooth limit of post-LN; with "
-            "model.norm=pre the equation is already smooth: use model.formulation=split",
-        )
-    schemes = _registered_schemes()
-    if c.scheme.name not in schemes:
-        raise ConfigError(
-            "scheme.name", f"unknown scheme {c.scheme.name!r}; allowed: {', '.join(schemes)}"
-        )
-    smooth = c.solver.name != "scheme"
-    if smooth:
-        solvers = _registered_solvers()
-        if c.solver.name not in solvers:
-            raise ConfigError(
-                "solver.name",
-                f"unknown solver {c.solver.name!r}; allowed: 'scheme', "
-                f"{', '.join(repr(s) for s in solvers)}",
-            )
-        if m.norm == "post" and m.formulation == "split":
-            raise ConfigError(
-                "solver.name",
-                f"a diffrax solver ({c.solver.name!r}) needs a smooth vector field, but a "
-                "post-LN split equation has projection terms; use model.norm=pre, or "
-                "model.formulation=projected|relaxed, or solver.name=scheme",
-            )
-    if c.solver.stepsize == "pid":
-        if not smooth:
-            raise ConfigError(
-                "solver.stepsize",
-                "an adaptive (pid) controller needs an error estimate, which splitting "
-                "schemes do not provide; set solver.name to an embedded diffrax solver "
-                "(e.g. tsit5) or use solver.stepsize=constant",
-            )
-        if c.controls.kind == "piecewise_constant" and not c.solver.jump_ts:
-            raise ConfigError(
-                "solver.jump_ts",
-                "an adaptive (pid) controller with piecewise-constant controls must be "
-                "told the jump times (solver.jump_ts=true), or it steps across the "
-                "discontinuities and fails or loses accuracy",
-            )
-    if c.gradient.method == "optimise_then_discretise" and not smooth:
-        raise ConfigError(
-            "gradient.method",
-            "optimise_then_discretise (BacksolveAdjoint) integrates the adjoint equation "
-            "of a smooth vector field; the splitting scheme "
-            f"{c.scheme.name!r} has projection sub-flows. Use "
-            "gradient.method=discretise_then_optimise, or a smooth formulation with "
-            "solver.name set to a diffrax solver",
-        )
+    _check_registered(c)
+    found = refusals(choices(c))
+    if found:
+        raise ConfigError(found[0].field, found[0].message)
     o = c.objective
     if c.controls.kind == "basis":
         if c.controls.basis_size > m.num_layers:
@@ -235,9 +225,19 @@ def _check_combinations(c: Config) -> None:
             "objective.kernel_norm and objective.kernel_bound go together (got "
             f"kernel_norm={o.kernel_norm!r}, kernel_bound={o.kernel_bound!r})",
         )
-    t = c.train
-    if t.debug_nan_at_step is not None and t.debug_nan_at_step > t.steps:
-        raise ConfigError(
-            "train.debug_nan_at_step",
-            f"{t.debug_nan_at_step} is after the last step train.steps={t.steps}",
-        )
+
+
+def from_dict(data: dict) -> Config:
+    """The inverse of ``to_dict`` (unknown keys raise ``ConfigError``)."""
+    if not isinstance(data, dict):
+        raise ConfigError("", f"a configuration must be a mapping, got {type(data).__name__}")
+    sections = {}
+    for name, value in data.items():
+        check_keys(name)
+        cls = section_class(name)
+        if not isinstance(value, dict):
+            raise ConfigError(name, f"must be a mapping of fields, got {type(value).__name__}")
+        for key in value:
+            check_keys(f"{name}.{key}")
+        sections[name] = cls(**value)
+    return Config(**sections)

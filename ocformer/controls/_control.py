@@ -5,6 +5,7 @@ import abc
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import jax.tree_util as jtu
 from jaxtyping import Array, Float
 
@@ -43,7 +44,7 @@ class AbstractControl(eqx.Module):
 
     @property
     @abc.abstractmethod
-    def jump_ts(self) -> Float[Array, " jumps"] | None:
+    def jump_ts(self) -> Float[np.ndarray, " jumps"] | None:
         """Interior times where theta(t) jumps, or None if it is continuous."""
 
     @property
@@ -95,9 +96,10 @@ class PiecewiseConstant(AbstractControl):
         return self.t0, self.t1
 
     @property
-    def jump_ts(self) -> Float[Array, " jumps"]:
+    def jump_ts(self) -> Float[np.ndarray, " jumps"]:
         n = self.num_layers
-        return jnp.linspace(self.t0, self.t1, n + 1)[1:-1]
+        # numpy, not jnp: the jumps are static (they shape the step grid), also under jit.
+        return np.linspace(self.t0, self.t1, n + 1)[1:-1]
 
     def index(self, t) -> Array:
         """The piece that holds t (t in [t_n, t_{n+1}) gives n; clipped at the ends)."""

@@ -10,6 +10,7 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import jax.tree_util as jtu
 from jaxtyping import Array, Float
 
@@ -81,11 +82,12 @@ class PiecewiseLinear(AbstractControl):
         return self.t0, self.t1
 
     @property
-    def jump_ts(self) -> Float[Array, " jumps"] | None:
+    def jump_ts(self) -> Float[np.ndarray, " jumps"] | None:
         n = self.num_layers
         if n == 1:
             return None
-        return jnp.linspace(self.t0, self.t1, n + 1)[1:-1]
+        # numpy, not jnp: the jumps are static (they shape the step grid), also under jit.
+        return np.linspace(self.t0, self.t1, n + 1)[1:-1]
 
     def _locate(self, t):
         n = self.num_layers

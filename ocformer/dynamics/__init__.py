@@ -1,34 +1,20 @@
-"""Dynamics: the terms of the split equation, its smooth formulations, and the one
-diffeqsolve call."""
+"""Terms: the right-hand side of the controlled equation, one term per operator, and
+the smooth fields of its post-LN limits (projected dynamics, Moreau-Yosida relaxation)."""
 
 from ._args import DynamicsArgs as DynamicsArgs
 from ._constrained import (
     ProjectedField as ProjectedField,
-    ProjectedSolver as ProjectedSolver,
     RelaxationField as RelaxationField,
     RelaxedField as RelaxedField,
     SumField as SumField,
     TangentTerm as TangentTerm,
+    check_scalar_norm as check_scalar_norm,
     constraint_residual as constraint_residual,
     project_onto_set as project_onto_set,
     tangent_projection as tangent_projection,
 )
-from ._solve import (
-    ADAPTIVE_STEPS_PER_LAYER as ADAPTIVE_STEPS_PER_LAYER,
-    adaptive_controller as adaptive_controller,
-    adaptive_max_steps as adaptive_max_steps,
-    bind_solver as bind_solver,
-    solve as solve,
-    time_grid as time_grid,
-)
-from ._solvers import (
-    SOLVERS as SOLVERS,
-    is_imex as is_imex,
-    is_implicit as is_implicit,
-    solver_by_name as solver_by_name,
-    with_root_tolerances as with_root_tolerances,
-)
 from ._terms import (
+    SUB_SOLVER_ORDER as SUB_SOLVER_ORDER,
     SUB_SOLVERS as SUB_SOLVERS,
     AbstractExplicitTerm as AbstractExplicitTerm,
     AbstractSplitTerm as AbstractSplitTerm,
@@ -36,5 +22,6 @@ from ._terms import (
     AveragedFeedForwardTerm as AveragedFeedForwardTerm,
     FeedForwardTerm as FeedForwardTerm,
     ProjectionTerm as ProjectionTerm,
+    SubSolver as SubSolver,
     sum_fields as sum_fields,
 )

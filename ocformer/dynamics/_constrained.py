@@ -2,8 +2,7 @@ r"""Smooth limits of post-LN dynamics: projected dynamics on $S_1$ and the
 Moreau-Yosida relaxation.
 
 Post-LN has no smooth continuous limit as written: the state is projected onto
-$S_1(\sigma_1, \sigma_2)$ twice per layer. Two honest limits are offered (DESIGN.md
-section 4); both use one constraint set, $S_1$ of the ``norm2`` controls (the set a
+$S_1(\sigma_1, \sigma_2)$ twice per layer. Two honest limits are offered; both use one constraint set, $S_1$ of the ``norm2`` controls (the set a
 post-LN layer's output lies on), since two different sets generally do not intersect.
 
 Projected dynamics. For $u \in S_1(\sigma_1(t), \sigma_2(t))$ write
@@ -36,9 +35,6 @@ per-feature gain and bias is an affine sub-step after the projection onto $S_1(0
 not a constraint set, so there is nothing to project the velocity onto.
 """
 
-from typing import ClassVar
-
-import diffrax
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -46,7 +42,7 @@ from jaxtyping import Array, Float
 from ..controls._params import NormParams
 from ..operators import LayerNormProjection, normalise
 from ._args import DynamicsArgs
-from ._terms import AbstractExplicitTerm, SubSolver, _check_sub_solver, sum_fields
+from ._terms import AbstractExplicitTerm, sum_fields
 
 
 def tangent_projection(
@@ -100,10 +96,6 @@ class TangentTerm(AbstractExplicitTerm):
     """
 
     term: AbstractExplicitTerm
-    sub_solver: SubSolver = eqx.field(default="euler", static=True)
-
-    def __check_init__(self):
-        _check_sub_solver(self.sub_solver)
 
     def field(self, theta, u, args):
         return tangent_projection(u, self.term.field(theta, u, args))
@@ -155,48 +147,3 @@ class RelaxedField(eqx.Module):
 
     def __call__(self, t, y, args):
         return self.smooth(t, y, args) + self.relaxation(t, y, args)
-
-
-class ProjectedSolver(diffrax.AbstractSolver):
-    r"""Any one-step solver followed by the projection onto $S_1(\theta(t_{n+1}))$.
-
-    $$u^{n+1} = P_{S_1(\theta(t_{n+1}))}\big(\Psi^{\delta t}(u^n)\big).$$
-    Projecting after each step of a one-step method of order p keeps order p on the
-    manifold (Hairer, Lubich, Wanner, *Geometric Numerical Integration*, IV.4), and
-    the states lie on $S_1$ to rounding. The error estimate of an adaptive solver is
-    that of the unprojected step, which is of the same order.
-
-    Args:
-        solver: the wrapped solver (a diffrax solver or a splitting scheme).
-    """
-
-    solver: diffrax.AbstractSolver
-
-    # Not `AbstractWrappedSolver`: diffrax then treats the solver as its inner one in
-    # places (e.g. root-finder tolerances), which the model handles itself.
-    interpolation_cls: ClassVar = diffrax.LocalLinearInterpolation
-
-    @property
-    def term_structure(self):
-        return self.solver.term_structure
-
-    def order(self, terms):
-        return self.solver.order(terms)
-
-    def error_order(self, terms):
-        return self.solver.error_order(terms)
-
-    def init(self, terms, t0, t1, y0, args):
-        return self.solver.init(terms, t0, t1, y0, args)
-
-    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
-        y1, y_error, _, solver_state, result = self.solver.step(
-            terms, t0, t1, y0, args, solver_state, made_jump
-        )
-        y1 = project_onto_set(args.control(t1).norm2, y1)
-        # Linear dense output between the projected states: the wrapped solver's own
-        # interpolant would end off the set.
-        return y1, y_error, dict(y0=y0, y1=y1), solver_state, result
-
-    def func(self, terms, t0, y0, args):
-        return self.solver.func(terms, t0, y0, args)

@@ -1,4 +1,4 @@
-"""Models: the continuous Transformer, embeddings and readouts."""
+"""Models: the continuous Transformer, its compatibility rules, embeddings and readouts."""
 
 from ._embedding import (
     AbstractEmbedding as AbstractEmbedding,
@@ -6,10 +6,21 @@ from ._embedding import (
     Readout as Readout,
     TokenEmbedding as TokenEmbedding,
 )
+from ._rules import (
+    EXPLICIT_RELAXATION_LIMIT as EXPLICIT_RELAXATION_LIMIT,
+    RULES as RULES,
+    Choices as Choices,
+    IncompatibleError as IncompatibleError,
+    Refusal as Refusal,
+    check as check_choices,
+    describe_stepper as describe_stepper,
+    refusals as refusals,
+)
 from ._sequence import SequenceModel as SequenceModel
 from ._transformer import (
     FORMULATIONS as FORMULATIONS,
     ContinuousTransformer as ContinuousTransformer,
+    rediscretise as rediscretise,
     refine as refine,
-    with_scheme as with_scheme,
+    reformulate as reformulate,
 )

@@ -7,7 +7,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Float
 
 from ..controls import AbstractControl, Constant, PiecewiseConstant
-from ..dynamics import time_grid
+from ..integration import time_grid
 from ..models._transformer import ContinuousTransformer
 
 

@@ -8,10 +8,18 @@ import diffrax
 import equinox as eqx
 import jax.numpy as jnp
 from diffrax import RESULTS, AbstractTerm, LocalLinearInterpolation, MultiTerm
-from diffrax._term import WrapTerm  # not re-exported; the wrapper diffeqsolve applies
 from jaxtyping import Array
 
-from ..dynamics._terms import AbstractSplitTerm, sum_fields
+from .._compat import WrapTerm
+from ..dynamics import SUB_SOLVERS, AbstractSplitTerm, SubSolver, sum_fields
+
+
+def check_sub_solver(who: str, sub_solver) -> None:
+    if sub_solver not in SUB_SOLVERS:
+        raise ValueError(
+            f"{who}.sub_solver must be one of {', '.join(map(repr, SUB_SOLVERS))}, got "
+            f"{sub_solver!r}. The sub-solver steps the smooth terms inside each split step."
+        )
 
 
 class AbstractSplittingSolver(diffrax.AbstractSolver):
@@ -24,9 +32,13 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
     use exactly layer n's parameters.
 
     The order of a scheme is the smaller of the splitting's order and its sub-flows'.
+    The explicit sub-solver of the smooth terms (``sub_solver``: explicit Euler,
+    midpoint or Heun) is part of the scheme: a numerical choice, not part of the
+    equation.
     """
 
     interpolation_cls: ClassVar = LocalLinearInterpolation
+    sub_solver: eqx.AbstractVar[SubSolver]
     num_terms: eqx.AbstractVar[int | None]
 
     @property
@@ -49,6 +61,13 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
         """The order of the splitting with exact sub-flows."""
 
     @abc.abstractmethod
+    def feeds(self, source: int, target: int, terms) -> bool:
+        """Whether every sub-flow of ``terms[target]`` starts from the state that a
+        sub-flow of ``terms[source]`` has just produced (e.g. the post-LN closing
+        projection right after the averaging step, where LayerNorm's eps becomes eps/4).
+        """
+
+    @abc.abstractmethod
     def compose(
         self,
         terms: tuple[AbstractSplitTerm, ...],
@@ -65,7 +84,7 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
         """
 
     def order(self, terms) -> int:
-        flows = [t.flow_order() for t in _split_terms(terms)]
+        flows = [t.flow_order(self.sub_solver) for t in _split_terms(terms)]
         finite = [o for o in flows if o is not None]
         return min([self.splitting_order(len(flows)), *finite])
 
@@ -124,19 +143,30 @@ class Lie(AbstractSplittingSolver):
     First order. With the post-LN terms, ``StepTo`` on the layer grid and
     $\delta t = 1$, one step is exactly one post-LN encoder layer (Tai, Liu, Li, Chan,
     arXiv 2510.03989, section 3).
+
+    Args:
+        sub_solver: the explicit sub-solver of the smooth terms (``"euler"``, the
+            Transformer's residual update; ``"midpoint"`` or ``"heun"``).
     """
 
+    sub_solver: SubSolver = eqx.field(default="euler", static=True)
     num_terms: int | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        check_sub_solver("Lie", self.sub_solver)
 
     def splitting_order(self, num_terms: int) -> int:
         return 1
 
+    def feeds(self, source, target, terms):
+        return target == source + 1
+
     def compose(self, terms, theta, dt, y, args, record=None):
         for term in terms:
-            y = term.flow(theta, dt, y, args)
+            y = term.flow(theta, dt, y, args, self.sub_solver)
             if record is not None:
                 record.append(y)
         return y
 
 
-Lie.__init__.__doc__ = "**Arguments:** None"
+Lie.__init__.__doc__ = "**Arguments:** sub_solver (optional, default 'euler')"

@@ -2,8 +2,8 @@
 
 import equinox as eqx
 
-from ..dynamics._terms import AbstractExplicitTerm
-from ._base import AbstractSplittingSolver, Lie
+from ..dynamics import AbstractExplicitTerm, SubSolver
+from ._base import AbstractSplittingSolver, Lie, check_sub_solver
 
 
 def _check_permutation(sequence, num_terms: int, who: str) -> tuple[int, ...]:
@@ -27,8 +27,7 @@ class Strang(AbstractSplittingSolver):
       \circ \Phi^{\delta t/2}_{s_1}(u^n).$$
     Second order with exact (or second-order) sub-flows (Strang 1968). Its ``order`` is
     the smaller of 2 and the sub-flows' orders: with explicit Euler sub-steps it is
-    first order; give the explicit terms ``sub_solver="midpoint"`` or ``"heun"`` to see
-    order 2.
+    first order; ``Strang(sub_solver="midpoint")`` or ``"heun"`` is second order.
 
     Macaron ("FFN/2, attention, FFN/2", Lu et al. 2019) is one instance: on the pre-LN
     terms (attention, feed-forward), ``Strang(sequence=(1, 0))`` puts the feed-forward
@@ -36,21 +35,33 @@ class Strang(AbstractSplittingSolver):
     attention/2".
 
     Args:
+        sub_solver: the explicit sub-solver of the smooth terms (``"euler"``,
+            ``"midpoint"`` or ``"heun"``).
         sequence: the order in which the terms are applied on the way out (a
             permutation of the term indices; the last one is the middle operator).
     """
 
+    sub_solver: SubSolver = eqx.field(default="euler", static=True)
     sequence: tuple[int, ...] | None = eqx.field(default=None, static=True)
     num_terms: int | None = eqx.field(default=None, static=True)
 
+    def __check_init__(self):
+        check_sub_solver("Strang", self.sub_solver)
+
     def splitting_order(self, num_terms: int) -> int:
         return 2
+
+    def feeds(self, source, target, terms):
+        # Only the middle operator is always entered from one operator (the last outer
+        # one); the outer ones are entered from both sides.
+        *outer, middle = _check_permutation(self.sequence, len(terms), "Strang")
+        return bool(outer) and target == middle and outer[-1] == source
 
     def compose(self, terms, theta, dt, y, args, record=None):
         *outer, middle = _check_permutation(self.sequence, len(terms), "Strang")
         half = 0.5 * dt
         for k in (*outer, middle, *reversed(outer)):
-            y = terms[k].flow(theta, dt if k == middle else half, y, args)
+            y = terms[k].flow(theta, dt if k == middle else half, y, args, self.sub_solver)
             if record is not None:
                 record.append(y)
         return y
@@ -66,23 +77,34 @@ class Parallel(AbstractSplittingSolver):
     pre-LN terms that is the parallel attention/MLP block of GPT-J. A projection term
     in a parallel group is averaged with the others, so the result is generally off
     its set.
+
+    Args:
+        sub_solver: the explicit sub-solver of the smooth terms.
     """
 
+    sub_solver: SubSolver = eqx.field(default="euler", static=True)
     num_terms: int | None = eqx.field(default=None, static=True)
+
+    def __check_init__(self):
+        check_sub_solver("Parallel", self.sub_solver)
 
     def splitting_order(self, num_terms: int) -> int:
         return 1
 
+    def feeds(self, source, target, terms):
+        return len(terms) == 1
+
     def compose(self, terms, theta, dt, y, args, record=None):
-        return _parallel(terms, tuple(range(len(terms))), theta, dt, y, args, record)
+        group = tuple(range(len(terms)))
+        return _parallel(terms, group, theta, dt, y, args, record, self.sub_solver)
 
 
-def _parallel(terms, group, theta, dt, y, args, record):
+def _parallel(terms, group, theta, dt, y, args, record, sub_solver):
     k = len(group)
     if k == 1:
-        out = terms[group[0]].flow(theta, dt, y, args)
+        out = terms[group[0]].flow(theta, dt, y, args, sub_solver)
     else:
-        branches = [terms[i].flow(theta, k * dt, y, args) for i in group]
+        branches = [terms[i].flow(theta, k * dt, y, args, sub_solver) for i in group]
         if record is not None:
             record.extend(branches)
         out = branches[0]
@@ -120,16 +142,20 @@ class Hybrid(AbstractSplittingSolver):
     First order. Singleton groups give ``Lie``, one group of all terms ``Parallel``.
 
     Args:
+        sub_solver: the explicit sub-solver of the smooth terms.
         groups: tuples of term indices, each index exactly once. Default: maximal runs
             of consecutive explicit (smooth) terms are parallel groups and every other
-            term is its own group; for pre-LN terms that is one group (attention and
-            feed-forward in parallel), for the post-LN split terms it is Lie.
+            term is its own group. With the two pre-LN terms that is one group, i.e.
+            ``Parallel``; with the post-LN split terms every group is a singleton, i.e.
+            ``Lie``: give ``groups`` to get a scheme that differs from both.
     """
 
+    sub_solver: SubSolver = eqx.field(default="euler", static=True)
     groups: tuple[tuple[int, ...], ...] | None = eqx.field(default=None, static=True)
     num_terms: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
+        check_sub_solver("Hybrid", self.sub_solver)
         if self.groups is not None and not (
             isinstance(self.groups, tuple)
             and self.groups
@@ -154,9 +180,15 @@ class Hybrid(AbstractSplittingSolver):
     def splitting_order(self, num_terms: int) -> int:
         return 1
 
+    def feeds(self, source, target, terms):
+        groups = self.resolved_groups(terms)
+        return any(
+            a == (source,) and b == (target,) for a, b in zip(groups[:-1], groups[1:])
+        )
+
     def compose(self, terms, theta, dt, y, args, record=None):
         for group in self.resolved_groups(terms):
-            y = _parallel(terms, group, theta, dt, y, args, record)
+            y = _parallel(terms, group, theta, dt, y, args, record, self.sub_solver)
         return y
 
 
@@ -168,6 +200,6 @@ SCHEMES: dict[str, type[Lie | Strang | Parallel | Hybrid]] = {
 }
 """Splitting schemes by name; each class is constructible with no arguments."""
 
-Strang.__init__.__doc__ = "**Arguments:** sequence (optional permutation of term indices)"
-Hybrid.__init__.__doc__ = "**Arguments:** groups (optional tuple of tuples of term indices)"
-Parallel.__init__.__doc__ = "**Arguments:** None"
+Strang.__init__.__doc__ = "**Arguments:** sub_solver, sequence (optional permutation)"
+Hybrid.__init__.__doc__ = "**Arguments:** sub_solver, groups (optional tuple of tuples)"
+Parallel.__init__.__doc__ = "**Arguments:** sub_solver (optional, default 'euler')"

@@ -4,16 +4,25 @@ constraints, gradient method and optimiser."""
 import dataclasses
 from typing import Any, cast
 
-import diffrax
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import optax
 
-from .. import controls, dynamics
-from ..config import Config, ConfigError
-from ..config._validate import scheme_classes
+from .. import controls
+from ..config import Config, ConfigError, stepper_object
 from ..controls import NormParams
+from ..integration import GRADIENT_METHODS, Discretisation
+from ..models import (
+    ContinuousTransformer,
+    IncompatibleError,
+    PatchEmbedding,
+    Readout,
+    SequenceModel,
+    TokenEmbedding,
+)
+from ..objective import Constraints, Objective
+from ..tasks import make_task
 from ._optimiser import make_optimiser
 
 
@@ -24,10 +33,10 @@ class Experiment:
     Attributes:
         config: the validated configuration.
         task: the ``ocformer.tasks.AbstractTask``.
-        model: the initial ``SequenceModel``, already prepared by the gradient method.
+        model: the initial ``SequenceModel`` (its transformer holds the discretisation,
+            gradient method included).
         objective: the ``ocformer.objective.Objective`` (terminal + running costs).
         constraints: the ``ocformer.objective.Constraints`` projected after each update.
-        gradient: the gradient method (``ocformer.gradients``).
         optimiser: the optax transformation.
         schedule: learning rate by step.
     """
@@ -37,7 +46,6 @@ class Experiment:
     model: Any
     objective: Any
     constraints: Any
-    gradient: Any
     optimiser: optax.GradientTransformation
     schedule: optax.Schedule
 
@@ -56,8 +64,6 @@ def _task_kwargs(config: Config) -> dict:
 
 def build_task(config: Config):
     """The task of ``config``; a task's own refusal becomes a ``ConfigError``."""
-    from ..tasks import make_task
-
     try:
         return make_task(config.task.name, **_task_kwargs(config))
     except FileNotFoundError:
@@ -76,16 +82,22 @@ def _dtype(config: Config):
     return jnp.dtype(config.model.dtype)
 
 
-def _solver(config: Config):
-    if config.solver.name == "scheme":
-        return scheme_classes()[config.scheme.name]()
-    return dynamics.solver_by_name(config.solver.name)
+def build_discretisation(config: Config) -> Discretisation:
+    """The ``Discretisation`` of ``config.discretisation``, field for field."""
+    d = config.discretisation
+    return Discretisation(
+        stepper_object(d.stepper, d.sub_solver),
+        steps_per_layer=d.steps_per_layer,
+        stepsize=cast(Any, d.stepsize),
+        rtol=d.rtol,
+        atol=d.atol,
+        jump_ts=d.jump_ts,
+        gradient=GRADIENT_METHODS[d.gradient](),
+    )
 
 
 def build_transformer(config: Config, key, *, causal: bool):
     """The ``ContinuousTransformer`` of ``config`` with freshly initialised controls."""
-    from ..models import ContinuousTransformer
-
     m, c = config.model, config.controls
     dtype = _dtype(config)
     control = controls.make_control(
@@ -103,41 +115,25 @@ def build_transformer(config: Config, key, *, causal: bool):
     if m.final_norm:
         shape = (m.width,) if c.norm_affine == "feature" else ()
         final = NormParams(scale=jnp.ones(shape, dtype), bias=jnp.zeros(shape, dtype))
-    kwargs: dict[str, Any] = dict(
-        norm=m.norm,
-        num_heads=m.num_heads,
-        causal=causal,
-        activation=m.activation,
-        ln_eps=m.ln_eps,
-        final_norm=final,
-        solver=_solver(config),
-        steps_per_layer=config.scheme.steps_per_layer,
-    )
-    # Options of the smooth formulations and of adaptive stepping are passed only where
-    # they mean something, so that the split/constant-step model stays the plain one.
-    if m.formulation != "split":
-        kwargs["formulation"] = m.formulation
-    if m.formulation == "relaxed":
-        kwargs["relaxation_eps"] = m.relaxation_eps
-    sc = config.solver
-    if sc.stepsize == "pid":
-        kwargs.update(rtol=sc.rtol, atol=sc.atol)
-        # The transformer's own "pid" steps onto every jump of the control; without
-        # jump_ts it is a plain PID controller (validation allows that only for
-        # controls whose kinks, not jumps, would be stepped over).
-        kwargs["stepsize"] = (
-            "pid" if sc.jump_ts else diffrax.PIDController(rtol=sc.rtol, atol=sc.atol)
-        )
     try:
-        return ContinuousTransformer(control, **kwargs)
-    except ValueError as e:
-        raise ConfigError("solver.name", str(e)) from None
+        return ContinuousTransformer(
+            control,
+            norm=cast(Any, m.norm),
+            num_heads=m.num_heads,
+            causal=causal,
+            activation=cast(Any, m.activation),
+            ln_eps=m.ln_eps,
+            final_norm=final,
+            formulation=cast(Any, m.formulation),
+            relaxation_eps=m.relaxation_eps,
+            discretisation=build_discretisation(config),
+        )
+    except IncompatibleError as e:  # validation runs the same rules; kept for direct use
+        raise ConfigError(e.field, str(e).split(": ", 1)[1]) from None
 
 
 def build_model(config: Config, task, key):
-    """Embedding, transformer and readout for ``task`` (not yet prepared)."""
-    from ..models import PatchEmbedding, Readout, SequenceModel, TokenEmbedding
-
+    """Embedding, transformer and readout for ``task``."""
     m = config.model
     dtype = _dtype(config)
     k_embed, k_control, k_read = jr.split(key, 3)
@@ -160,13 +156,9 @@ def build(config: Config, task=None) -> Experiment:
     The random initialisation depends on ``train.seed`` only.
 
     Raises:
-        ConfigError: a combination that the library refuses at build time (e.g. a
-            gradient method that cannot differentiate the chosen scheme).
+        ConfigError: a combination that the library refuses.
         ocformer.tasks.DataNotFoundError: the task's data is not on disk.
     """
-    from ..gradients import GRADIENT_METHODS
-    from ..objective import Constraints, Objective
-
     task = build_task(config) if task is None else task
     if config.train.sample_tokens and not (
         task.kind == "lm" and callable(getattr(task, "encode", None))
@@ -177,11 +169,6 @@ def build(config: Config, task=None) -> Experiment:
             "to sample; set train.sample_tokens=0",
         )
     model = build_model(config, task, jr.key(config.train.seed))
-    gradient = GRADIENT_METHODS[config.gradient.method]()
-    try:
-        model = gradient.prepare(model)
-    except ValueError as e:
-        raise ConfigError("gradient.method", str(e)) from None
     o = config.objective
     objective = Objective(
         control_smoothness=o.control_smoothness,
@@ -192,4 +179,4 @@ def build(config: Config, task=None) -> Experiment:
         sigma_floor=o.sigma_floor, kernel_norm=cast(Any, o.kernel_norm), kernel_bound=o.kernel_bound
     )
     optimiser, schedule = make_optimiser(config.optimiser, config.train.steps)
-    return Experiment(config, task, model, objective, constraints, gradient, optimiser, schedule)
+    return Experiment(config, task, model, objective, constraints, optimiser, schedule)

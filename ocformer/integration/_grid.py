@@ -1,4 +1,6 @@
-"""The single place where operators, time stepping and gradient method meet."""
+"""The time grid: constant steps on the layer grid (stepping over the controls' jumps
+where a solver would read them), its backward walk, and adaptive steps that stop at
+the jumps."""
 
 import diffrax
 import equinox as eqx
@@ -7,9 +9,8 @@ import numpy as np
 from diffrax import RESULTS
 from jaxtyping import Array, Bool, Float
 
-from ..controls._control import AbstractControl
-from ._args import DynamicsArgs
-from ._constrained import ProjectedSolver
+from ..controls import AbstractControl
+from ..splitting import AbstractSplittingSolver, ProjectedSolver
 
 
 def time_grid(control: AbstractControl, steps_per_layer: int, dtype):
@@ -21,82 +22,31 @@ def time_grid(control: AbstractControl, steps_per_layer: int, dtype):
     return jnp.linspace(t0, t1, num_steps + 1, dtype=dtype), num_steps
 
 
-def solve(
-    terms: diffrax.AbstractTerm,
-    solver: diffrax.AbstractSolver,
-    control: AbstractControl,
-    u0,
-    *,
-    key_mask=None,
-    steps_per_layer: int = 1,
-    adjoint: diffrax.AbstractAdjoint | None = None,
-    saveat: diffrax.SaveAt | None = None,
-    stepsize_controller: diffrax.AbstractStepSizeController | None = None,
-    max_steps: int | None = None,
-) -> diffrax.Solution:
-    """Solve the controlled equation over the control's interval with one ``diffeqsolve``.
-
-    The grid is ``StepTo`` with ``steps_per_layer`` steps per layer; ``max_steps`` is the
-    grid's step count, never a default. ``adjoint`` defaults to discretise-then-optimise
-    with one checkpoint per step (``RecursiveCheckpointAdjoint(checkpoints=num_steps)``):
-    states are stored, each step is recomputed once in the backward pass, which on CPU
-    is as fast as a rematerialised ``lax.scan`` and faster than a plain one.
-
-    An adaptive ``stepsize_controller`` replaces ``StepTo``; it must stop at the
-    control's discontinuities (``ClipStepSizeController(..., jump_ts=control.jump_ts)``,
-    see ``adaptive_controller``) and ``max_steps`` must then be given (the models derive
-    it from the grid, see ``adaptive_max_steps``); the default adjoint then uses
-    diffrax's checkpointing for an unknown step count.
-    """
-    ts, num_steps = time_grid(control, steps_per_layer, u0.dtype)
-    solver = bind_solver(solver, terms)
-    if stepsize_controller is None:
-        controller = _constant_steps(solver, control, ts)
-        steps = num_steps
-        checkpoints = num_steps
-    else:
-        if max_steps is None:
-            raise ValueError(
-                "An adaptive step-size controller needs an explicit max_steps (derived "
-                "from the layer grid, e.g. ocformer.dynamics.adaptive_max_steps); diffrax's "
-                "default is never used."
-            )
-        controller, steps, checkpoints = stepsize_controller, max_steps, None
-    return diffrax.diffeqsolve(
-        terms,
-        solver,
-        t0=ts[0],
-        t1=ts[-1],
-        dt0=None,
-        y0=u0,
-        args=DynamicsArgs(control=control, key_mask=key_mask),
-        stepsize_controller=controller,
-        max_steps=steps,
-        adjoint=(
-            diffrax.RecursiveCheckpointAdjoint(checkpoints=checkpoints)
-            if adjoint is None
-            else adjoint
-        ),
-        saveat=diffrax.SaveAt(t1=True) if saveat is None else saveat,
-    )
-
-
-def _constant_steps(solver, control: AbstractControl, ts) -> diffrax.AbstractStepSizeController:
-    from ..splitting._base import AbstractSplittingSolver
-
+def _jump_flags(solver: diffrax.AbstractSolver, control: AbstractControl, times) -> np.ndarray:
+    """Which points of the grid ``times`` (numpy) are jumps that ``solver`` must step
+    over. Computed in numpy from the control's static jump times, so it is concrete
+    under ``jit`` too."""
     inner = solver.solver if isinstance(solver, ProjectedSolver) else solver
     jumps = control.jump_ts
     # Splitting schemes read the control once per step, at its midpoint, so a jump on
     # a step boundary is harmless. A Runge-Kutta stage at the end of a step reads it at
     # the boundary itself, where a piecewise-constant control already has the next
     # layer's value: step to just before each jump and restart just after it.
-    if jumps is None or jumps.size == 0 or isinstance(inner, AbstractSplittingSolver):
+    if jumps is None or np.size(jumps) == 0 or isinstance(inner, AbstractSplittingSolver):
+        return np.zeros(len(times), bool)
+    scale = times[-1] - times[0]
+    return np.any(np.abs(times[:, None] - np.asarray(jumps)[None, :]) <= 1e-9 * scale, axis=1)
+
+
+def constant_controller(
+    solver: diffrax.AbstractSolver, control: AbstractControl, ts
+) -> diffrax.AbstractStepSizeController:
+    """``StepTo`` on ``ts``, or ``StepOverJumps`` where ``solver`` would read a jump."""
+    t0, t1 = control.interval
+    on_jump = _jump_flags(solver, control, np.linspace(t0, t1, ts.shape[0]))
+    if not on_jump.any():
         return diffrax.StepTo(ts=ts)
-    scale = ts[-1] - ts[0]
-    on_jump = jnp.any(
-        jnp.abs(ts[:, None] - jumps[None, :].astype(ts.dtype)) <= 1e-9 * scale, axis=1
-    )
-    return StepOverJumps(ts=ts, on_jump=on_jump)
+    return StepOverJumps(ts=ts, on_jump=jnp.asarray(on_jump))
 
 
 class StepOverJumps(diffrax.AbstractStepSizeController):
@@ -184,24 +134,10 @@ def backward_grid_controller(
     """``BackwardGrid`` for the constant-step grid of ``solver`` on ``control``."""
     t0, t1 = control.interval
     times = np.linspace(t0, t1, control.num_layers * steps_per_layer + 1)
-    forward = _constant_steps(solver, control, jnp.asarray(times))
-    if isinstance(forward, StepOverJumps):
-        jumps = tuple(bool(j) for j in np.asarray(forward.on_jump))
-    else:
-        jumps = (False,) * len(times)
-    return BackwardGrid(times=tuple(float(t) for t in times), on_jump=jumps)
-
-
-def bind_solver(solver: diffrax.AbstractSolver, terms) -> diffrax.AbstractSolver:
-    """Tell splitting schemes (also inside a ``ProjectedSolver``) how many terms they
-    split; other solvers are returned unchanged."""
-    from ..splitting._base import AbstractSplittingSolver
-
-    if isinstance(solver, ProjectedSolver):
-        return ProjectedSolver(bind_solver(solver.solver, terms))
-    if isinstance(solver, AbstractSplittingSolver):
-        return solver.for_terms(terms)
-    return solver
+    jumps = _jump_flags(solver, control, times)
+    return BackwardGrid(
+        times=tuple(float(t) for t in times), on_jump=tuple(bool(j) for j in jumps)
+    )
 
 
 ADAPTIVE_STEPS_PER_LAYER: int = 256
@@ -217,11 +153,12 @@ def adaptive_max_steps(control: AbstractControl, steps_per_layer: int = 1) -> in
 
 
 def adaptive_controller(
-    control: AbstractControl, rtol: float, atol: float
+    control: AbstractControl, rtol: float, atol: float, jump_ts: bool = True
 ) -> diffrax.AbstractAdaptiveStepSizeController:
-    """A PID controller that steps onto every discontinuity of the control."""
+    """A PID controller that steps onto every discontinuity of the control (unless
+    ``jump_ts`` is False: then it is a bare PID controller)."""
     pid = diffrax.PIDController(rtol=rtol, atol=atol)
     jumps = control.jump_ts
-    if jumps is None or jumps.size == 0:  # e.g. a single layer: nothing to step onto
+    if not jump_ts or jumps is None or jumps.size == 0:  # e.g. a single layer
         return pid
     return diffrax.ClipStepSizeController(pid, jump_ts=jumps)

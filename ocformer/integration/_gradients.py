@@ -1,4 +1,10 @@
-"""Gradient methods: how dJ/dtheta is obtained, one interface, chosen by name."""
+"""Gradient methods: how dJ/dtheta is obtained, one interface.
+
+A gradient method is part of the discretisation: it chooses the diffrax adjoint, and
+everything that adjoint depends on (checkpoint count, backward grid) is derived from
+the grid of the solve it is used in, never stored. Whether a method can differentiate a
+given model is a rule of ``ocformer.models.rules``.
+"""
 
 import abc
 from typing import ClassVar
@@ -6,37 +12,26 @@ from typing import ClassVar
 import diffrax
 import equinox as eqx
 
-from ..controls import PiecewiseConstant
-from ..dynamics import ProjectedSolver
-from ..dynamics._solve import backward_grid_controller
-from ..models._sequence import SequenceModel
-from ..models._transformer import ContinuousTransformer
-from ..splitting import AbstractSplittingSolver
+from ..controls import AbstractControl
+from ..splitting import ProjectedSolver
+from ._grid import backward_grid_controller
 
 
 class AbstractGradientMethod(eqx.Module):
-    """Sets the transformer's diffrax adjoint; the training loop never branches on it.
-
-    ``prepare(model)`` returns the model with the adjoint installed, or raises
-    ``ValueError`` saying why the method cannot differentiate this model.
-    """
+    """Chooses the diffrax adjoint of a solve; the training loop never branches on it."""
 
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def adjoint(self, transformer: ContinuousTransformer) -> diffrax.AbstractAdjoint:
-        """The diffrax adjoint for ``transformer`` (raises ValueError if incompatible)."""
-
-    def prepare(self, model: SequenceModel) -> SequenceModel:
-        """``model`` with its transformer's adjoint set to this method's."""
-        adjoint = self.adjoint(model.transformer)
-        return eqx.tree_at(
-            lambda m: m.transformer.adjoint, model, adjoint, is_leaf=lambda x: x is None
-        )
-
-
-def _num_steps(transformer: ContinuousTransformer) -> int:
-    return transformer.num_layers * transformer.steps_per_layer
+    def adjoint(
+        self,
+        stepper: diffrax.AbstractSolver,
+        control: AbstractControl,
+        steps_per_layer: int,
+        adaptive: bool,
+    ) -> diffrax.AbstractAdjoint:
+        """The diffrax adjoint for a solve with ``stepper`` on the grid of ``control``
+        with ``steps_per_layer`` (constant steps unless ``adaptive``)."""
 
 
 class DiscretiseThenOptimise(AbstractGradientMethod):
@@ -62,10 +57,10 @@ class DiscretiseThenOptimise(AbstractGradientMethod):
                 f"checkpoints must be a positive integer or None, got {self.checkpoints!r}."
             )
 
-    def adjoint(self, transformer):
+    def adjoint(self, stepper, control, steps_per_layer, adaptive):
         n = self.checkpoints
-        if n is None and transformer.stepsize_controller is None:
-            n = _num_steps(transformer)
+        if n is None and not adaptive:
+            n = control.num_layers * steps_per_layer
         # None with adaptive steps: diffrax then checkpoints for an unknown step count.
         return diffrax.RecursiveCheckpointAdjoint(checkpoints=n)
 
@@ -78,38 +73,15 @@ class OptimiseThenDiscretise(AbstractGradientMethod):
 
     It is the gradient of the continuous problem discretised, not the gradient of the
     discrete problem: the two differ by the discretisation error, which shrinks with the
-    step size at the order of the solver. It needs a smooth single-term formulation and
-    a non-splitting diffrax solver: pre-LN with a solver such as ``diffrax.Heun()``, or
-    the projected/relaxed formulations of post-LN.
+    step size. It needs a smooth single-term formulation and a non-splitting diffrax
+    solver: pre-LN with a solver such as ``diffrax.Heun()``, or the projected/relaxed
+    formulations of post-LN.
     """
 
     name: ClassVar[str] = "optimise_then_discretise"
 
-    def adjoint(self, transformer):
-        if isinstance(transformer.solver, AbstractSplittingSolver):
-            raise ValueError(
-                "optimise_then_discretise cannot differentiate a splitting scheme "
-                f"({type(transformer.solver).__name__}): diffrax's BacksolveAdjoint wraps the "
-                "terms for its backward solve and needs a solver that takes one term, and "
-                "the adjoint splitting (sub-flows transposed in reverse order) is not "
-                "implemented. Use a smooth single-term formulation with a non-splitting "
-                "solver (norm='pre' with e.g. solver='heun', or formulation='projected'/"
-                "'relaxed'), or the discretise_then_optimise or direct method."
-            )
-        if transformer.formulation == "projected" and isinstance(
-            transformer.control, PiecewiseConstant
-        ):
-            raise ValueError(
-                "optimise_then_discretise on the projected formulation needs continuous "
-                "controls: with piecewise-constant controls sigma jumps at every layer "
-                "boundary, the state jumps with it (the projection onto the new S1), and the "
-                "continuous adjoint of the tangent field cannot see those jumps, so its "
-                "gradient does not converge (measured relative gap to the exact gradient "
-                "0.87 -> 0.81 from 2 to 8 steps per layer). Use PiecewiseLinear or Basis "
-                "controls (gap 0.58 -> 0.17), or discretise_then_optimise."
-            )
+    def adjoint(self, stepper, control, steps_per_layer, adaptive):
         kwargs = {}
-        stepper = transformer.time_stepper()
         if isinstance(stepper, ProjectedSolver):
             # The projection after each step keeps the discrete states on S1; the exact
             # solution of the projected dynamics stays there by itself. The continuous
@@ -117,13 +89,13 @@ class OptimiseThenDiscretise(AbstractGradientMethod):
             # augmented state (u, a, ...), which has no S1 to project onto) uses the
             # wrapped solver.
             kwargs["solver"] = stepper.solver
-        if transformer.stepsize_controller is None:
+        if not adaptive:
             # The forward grid (StepTo, or stepping over the control's jumps) is walked
             # backward from t1: with plain constant steps the first backward stage of
             # every layer would sit on its boundary and read the next layer's controls,
             # which costs an order of the solver.
             kwargs["stepsize_controller"] = backward_grid_controller(
-                stepper, transformer.control, transformer.steps_per_layer
+                stepper, control, steps_per_layer
             )
         return diffrax.BacksolveAdjoint(**kwargs)
 
@@ -136,8 +108,8 @@ class Direct(AbstractGradientMethod):
 
     name: ClassVar[str] = "direct"
 
-    def adjoint(self, transformer):
-        del transformer
+    def adjoint(self, stepper, control, steps_per_layer, adaptive):
+        del stepper, control, steps_per_layer, adaptive
         return diffrax.DirectAdjoint()
 
 
@@ -146,3 +118,4 @@ GRADIENT_METHODS: dict[str, type[AbstractGradientMethod]] = {
     OptimiseThenDiscretise.name: OptimiseThenDiscretise,
     Direct.name: Direct,
 }
+"""Gradient methods by name; each class is constructible with no arguments."""

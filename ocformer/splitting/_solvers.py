@@ -6,9 +6,7 @@ import diffrax
 import equinox as eqx
 import optimistix as optx
 
-# Not re-exported by diffrax: the marker its implicit solvers use for "take the
-# tolerances from the step-size controller".
-from diffrax._root_finder import use_stepsize_tol
+from .._compat import use_stepsize_tol
 
 SOLVERS: dict[str, Callable[[], diffrax.AbstractSolver]] = {
     "euler": diffrax.Euler,

@@ -1,0 +1,25 @@
+"""Integration: the discretisation as a value, the time grid, the gradient methods,
+and the one ``diffeqsolve`` call where terms, time stepper and adjoint meet."""
+
+from ._discretisation import (
+    STEPSIZES as STEPSIZES,
+    Discretisation as Discretisation,
+    StepSize as StepSize,
+)
+from ._gradients import (
+    GRADIENT_METHODS as GRADIENT_METHODS,
+    AbstractGradientMethod as AbstractGradientMethod,
+    Direct as Direct,
+    DiscretiseThenOptimise as DiscretiseThenOptimise,
+    OptimiseThenDiscretise as OptimiseThenDiscretise,
+)
+from ._grid import (
+    ADAPTIVE_STEPS_PER_LAYER as ADAPTIVE_STEPS_PER_LAYER,
+    BackwardGrid as BackwardGrid,
+    StepOverJumps as StepOverJumps,
+    adaptive_controller as adaptive_controller,
+    adaptive_max_steps as adaptive_max_steps,
+    constant_controller as constant_controller,
+    time_grid as time_grid,
+)
+from ._solve import bind_solver as bind_solver, solve as solve

@@ -1,0 +1,117 @@
+"""The discretisation of the controlled equation, as one value."""
+
+import dataclasses
+from typing import Literal
+
+import diffrax
+import equinox as eqx
+
+from ..splitting import AbstractSplittingSolver, Lie
+from ._gradients import AbstractGradientMethod, DiscretiseThenOptimise
+
+StepSize = Literal["constant", "pid"]
+STEPSIZES: tuple[str, ...] = ("constant", "pid")
+
+
+class Discretisation(eqx.Module):
+    r"""How the equation is solved, kept apart from what the equation is.
+
+    As diffrax keeps ``terms`` apart from ``solver``, ``stepsize_controller`` and
+    ``adjoint``, a ``ContinuousTransformer`` holds the equation (operators, controls,
+    norm position, formulation) and one ``Discretisation``. Re-discretising a trained
+    model replaces this value (``ocformer.models.rediscretise``); everything that
+    depends on the grid (the adjoint's checkpoints or backward grid, ``max_steps``,
+    the step-size controller) is derived from it at solve time, never stored.
+
+    ``Discretisation()`` (the Lie scheme, one step per layer, discretise-then-optimise)
+    is the standard Transformer.
+
+    Args:
+        stepper: the time stepper: a splitting scheme (``ocformer.splitting.Lie``,
+            ``Strang``, ``Parallel``, ``Hybrid``; its ``sub_solver`` steps the smooth
+            terms) or a diffrax solver (``diffrax.Tsit5()``, ...) for the smooth
+            formulations.
+        steps_per_layer: steps per layer m (dt = 1/m); with ``stepsize="pid"`` the grid
+            from which ``max_steps`` is derived.
+        stepsize: ``"constant"`` (the grid, stepping over the controls' jumps where a
+            solver would read them) or ``"pid"`` (a PID controller with ``rtol``/``atol``
+            that stops at the jumps when ``jump_ts``).
+        rtol, atol: tolerances of the PID controller and of the Newton iterations of
+            implicit solvers.
+        jump_ts: tell the PID controller where piecewise-constant controls jump.
+        gradient: the gradient method (``DiscretiseThenOptimise()`` by default).
+    """
+
+    stepper: diffrax.AbstractSolver
+    gradient: AbstractGradientMethod
+    steps_per_layer: int = eqx.field(static=True)
+    stepsize: StepSize = eqx.field(static=True)
+    rtol: float = eqx.field(static=True)
+    atol: float = eqx.field(static=True)
+    jump_ts: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        stepper: diffrax.AbstractSolver | None = None,
+        *,
+        steps_per_layer: int = 1,
+        stepsize: StepSize = "constant",
+        rtol: float = 1e-6,
+        atol: float = 1e-8,
+        jump_ts: bool = True,
+        gradient: AbstractGradientMethod | None = None,
+    ):
+        self.stepper = Lie() if stepper is None else stepper
+        self.gradient = DiscretiseThenOptimise() if gradient is None else gradient
+        self.steps_per_layer = steps_per_layer
+        self.stepsize = stepsize
+        self.rtol = rtol
+        self.atol = atol
+        self.jump_ts = jump_ts
+
+    def __check_init__(self):
+        if not isinstance(self.stepper, diffrax.AbstractSolver):
+            raise ValueError(
+                "Discretisation.stepper must be a splitting scheme (ocformer.splitting) or "
+                f"a diffrax solver, got {type(self.stepper).__name__}. Names become "
+                "objects in ocformer.config (e.g. discretisation.stepper=strang)."
+            )
+        if not isinstance(self.gradient, AbstractGradientMethod):
+            raise ValueError(
+                "Discretisation.gradient must be a gradient method (ocformer.integration."
+                f"DiscretiseThenOptimise(), ...), got {type(self.gradient).__name__}."
+            )
+        m = self.steps_per_layer
+        if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+            raise ValueError(f"steps_per_layer must be a positive integer, got {m!r}.")
+        if self.stepsize not in STEPSIZES:
+            raise ValueError(
+                f"stepsize must be one of {', '.join(map(repr, STEPSIZES))}, got "
+                f"{self.stepsize!r}."
+            )
+        for name in ("rtol", "atol"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"{name} must be a number > 0, got {value!r}.")
+
+    @property
+    def is_splitting(self) -> bool:
+        return isinstance(self.stepper, AbstractSplittingSolver)
+
+    @property
+    def is_adaptive(self) -> bool:
+        return self.stepsize == "pid"
+
+    def replace(self, **changes) -> "Discretisation":
+        """This discretisation with some fields changed (validated like a new one)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(
+                f"Discretisation has no field {', '.join(unknown)}; fields: "
+                f"{', '.join(f.name for f in dataclasses.fields(self))}."
+            )
+        return dataclasses.replace(self, **changes)
+
+    def refine(self, steps_per_layer: int) -> "Discretisation":
+        """The same discretisation with ``steps_per_layer`` steps per layer."""
+        return self.replace(steps_per_layer=steps_per_layer)

@@ -1,0 +1,72 @@
+"""The single place where terms, time stepper and gradient method meet."""
+
+import diffrax
+
+from ..controls import AbstractControl
+from ..dynamics import DynamicsArgs
+from ..splitting import AbstractSplittingSolver, ProjectedSolver
+from ._discretisation import Discretisation
+from ._grid import adaptive_controller, adaptive_max_steps, constant_controller, time_grid
+
+
+def bind_solver(solver: diffrax.AbstractSolver, terms) -> diffrax.AbstractSolver:
+    """Tell splitting schemes (also inside a ``ProjectedSolver``) how many terms they
+    split; other solvers are returned unchanged."""
+    if isinstance(solver, ProjectedSolver):
+        return ProjectedSolver(bind_solver(solver.solver, terms))
+    if isinstance(solver, AbstractSplittingSolver):
+        return solver.for_terms(terms)
+    return solver
+
+
+def solve(
+    terms: diffrax.AbstractTerm,
+    stepper: diffrax.AbstractSolver,
+    control: AbstractControl,
+    u0,
+    discretisation: Discretisation,
+    *,
+    key_mask=None,
+    saveat: diffrax.SaveAt | None = None,
+) -> diffrax.Solution:
+    """Solve the controlled equation over the control's interval with one ``diffeqsolve``.
+
+    ``stepper`` is the solver to step ``terms`` with (the discretisation's, possibly
+    wrapped for a formulation); the grid, step-size controller, ``max_steps`` and the
+    adjoint all come from ``discretisation`` and the control's layer grid, here and
+    nowhere else:
+
+    - constant steps: ``StepTo`` with ``steps_per_layer`` steps per layer (stepping over
+      the controls' jumps where a Runge-Kutta stage would read them); ``max_steps`` is
+      the step count;
+    - ``"pid"``: a PID controller that stops at the jumps; ``max_steps`` is
+      ``ADAPTIVE_STEPS_PER_LAYER`` times the grid's step count;
+    - the adjoint is ``discretisation.gradient.adjoint(...)`` for this grid.
+    """
+    ts, num_steps = time_grid(control, discretisation.steps_per_layer, u0.dtype)
+    stepper = bind_solver(stepper, terms)
+    adaptive = discretisation.is_adaptive
+    if adaptive:
+        controller = adaptive_controller(
+            control, discretisation.rtol, discretisation.atol, discretisation.jump_ts
+        )
+        max_steps = adaptive_max_steps(control, discretisation.steps_per_layer)
+    else:
+        controller = constant_controller(stepper, control, ts)
+        max_steps = num_steps
+    adjoint = discretisation.gradient.adjoint(
+        stepper, control, discretisation.steps_per_layer, adaptive
+    )
+    return diffrax.diffeqsolve(
+        terms,
+        stepper,
+        t0=ts[0],
+        t1=ts[-1],
+        dt0=None,
+        y0=u0,
+        args=DynamicsArgs(control=control, key_mask=key_mask),
+        stepsize_controller=controller,
+        max_steps=max_steps,
+        adjoint=adjoint,
+        saveat=diffrax.SaveAt(t1=True) if saveat is None else saveat,
+    )

@@ -1,0 +1,52 @@
+"""A time stepper for projected dynamics: any one-step solver, then the projection."""
+
+from typing import ClassVar
+
+import diffrax
+
+from ..dynamics import project_onto_set
+
+
+class ProjectedSolver(diffrax.AbstractSolver):
+    r"""Any one-step solver followed by the projection onto $S_1(\theta(t_{n+1}))$.
+
+    $$u^{n+1} = P_{S_1(\theta(t_{n+1}))}\big(\Psi^{\delta t}(u^n)\big).$$
+    Projecting after each step of a one-step method of order p keeps order p on the
+    manifold (Hairer, Lubich, Wanner, *Geometric Numerical Integration*, IV.4), and
+    the states lie on $S_1$ to rounding. The error estimate of an adaptive solver is
+    that of the unprojected step, which is of the same order.
+
+    Args:
+        solver: the wrapped solver (a diffrax solver or a splitting scheme).
+    """
+
+    solver: diffrax.AbstractSolver
+
+    # Not `AbstractWrappedSolver`: diffrax then treats the solver as its inner one in
+    # places (e.g. root-finder tolerances), which the model handles itself.
+    interpolation_cls: ClassVar = diffrax.LocalLinearInterpolation
+
+    @property
+    def term_structure(self):
+        return self.solver.term_structure
+
+    def order(self, terms):
+        return self.solver.order(terms)
+
+    def error_order(self, terms):
+        return self.solver.error_order(terms)
+
+    def init(self, terms, t0, t1, y0, args):
+        return self.solver.init(terms, t0, t1, y0, args)
+
+    def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        y1, y_error, _, solver_state, result = self.solver.step(
+            terms, t0, t1, y0, args, solver_state, made_jump
+        )
+        y1 = project_onto_set(args.control(t1).norm2, y1)
+        # Linear dense output between the projected states: the wrapped solver's own
+        # interpolant would end off the set.
+        return y1, y_error, dict(y0=y0, y1=y1), solver_state, result
+
+    def func(self, terms, t0, y0, args):
+        return self.solver.func(terms, t0, y0, args)

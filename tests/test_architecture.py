@@ -1,0 +1,104 @@
+"""The package's shape: layers that read one way, private diffrax names in one module,
+and a small public face."""
+
+import importlib
+import pathlib
+import subprocess
+import sys
+import types
+
+import diffrax
+import pytest
+
+import ocformer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_layers_contract_holds():
+    """The import-linter layers contract of pyproject.toml (every import, including
+    those inside functions, follows the layers of docs/architecture.md)."""
+    lint = pathlib.Path(sys.executable).parent / "lint-imports"
+    out = subprocess.run(
+        [str(lint), "--config", str(ROOT / "pyproject.toml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 kept, 0 broken" in out.stdout
+
+
+def test_architecture_doc_lists_the_contract_layers():
+    text = (ROOT / "pyproject.toml").read_text()
+    layers = text.split("layers = [", 1)[1].split("]", 1)[0]
+    names = [
+        n.strip().strip("()")
+        for row in layers.splitlines()
+        for n in row.strip().strip(",").strip('"').split("|")
+        if n.strip()
+    ]
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for name in names:
+        if (ROOT / "ocformer" / name).exists() or (ROOT / "ocformer" / f"{name}.py").exists():
+            assert f" {name}" in doc, f"docs/architecture.md does not draw the layer {name!r}"
+
+
+def test_private_diffrax_names_come_from_one_module():
+    from diffrax import _root_finder, _term
+
+    from ocformer import _compat
+
+    assert _compat.WrapTerm is _term.WrapTerm
+    assert _compat.use_stepsize_tol is _root_finder.use_stepsize_tol
+    offenders = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "ocformer").rglob("*.py")
+        if path.name != "_compat.py" and "from diffrax._" in path.read_text()
+    ]
+    assert offenders == []
+
+
+def test_a_moved_diffrax_name_fails_with_a_clear_message(monkeypatch):
+    stub = types.ModuleType("diffrax._term")  # a diffrax whose _term lost WrapTerm
+    monkeypatch.setitem(sys.modules, "diffrax._term", stub)
+    monkeypatch.delitem(sys.modules, "ocformer._compat")
+    with pytest.raises(ImportError, match=r"needs diffrax\._term\.WrapTerm"):
+        importlib.import_module("ocformer._compat")
+    monkeypatch.undo()
+    importlib.import_module("ocformer._compat")
+
+
+def test_public_face():
+    for name in (
+        "ContinuousTransformer",
+        "Discretisation",
+        "Lie",
+        "Strang",
+        "Parallel",
+        "Hybrid",
+        "DiscretiseThenOptimise",
+        "OptimiseThenDiscretise",
+        "Direct",
+        "rediscretise",
+        "refine",
+        "from_layers",
+        "to_layers",
+        "Config",
+        "train",
+    ):
+        assert hasattr(ocformer, name), name
+    assert isinstance(ocformer.Strang(), diffrax.AbstractSolver)
+    assert ocformer.__version__ != "0+unknown"
+    from ocformer import train
+
+    assert callable(train)
+
+
+def test_package_inits_export_public_names_only():
+    for init in (ROOT / "ocformer").rglob("__init__.py"):
+        text = init.read_text()
+        for line in text.splitlines():
+            if " as _" in line and "import" in line and "__version__" not in line:
+                pytest.fail(f"{init.relative_to(ROOT)} re-exports a private name: {line}")
