@@ -235,9 +235,3 @@ def _check_combinations(c: Config) -> None:
             "objective.kernel_norm and objective.kernel_bound go together (got "
             f"kernel_norm={o.kernel_norm!r}, kernel_bound={o.kernel_bound!r})",
         )
-    t = c.train
-    if t.debug_nan_at_step is not None and t.debug_nan_at_step > t.steps:
-        raise ConfigError(
-            "train.debug_nan_at_step",
-            f"{t.debug_nan_at_step} is after the last step train.steps={t.steps}",
-        )
