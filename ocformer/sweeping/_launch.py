@@ -151,6 +151,7 @@ def run_sweep(
     dry_run: bool = False,
     slurm: Mapping[str, Any] | None = None,
     executor=None,
+    wait: bool = False,
     argv: Sequence[str] = (),
     stream=None,
 ) -> int:
@@ -165,6 +166,8 @@ def run_sweep(
         slurm: SLURM options given as flags (over the sweep file's).
         executor: a submitit executor to use instead of SLURM's (tests use submitit's
             local executor).
+        wait: with SLURM, wait for the array to finish and report (default: return
+            once submitted; ``python -m ocformer.sweep report DIR`` reports later).
         argv: the command line, recorded in ``sweep.json``.
 
     Raises:
@@ -196,7 +199,9 @@ def run_sweep(
     if launcher == "slurm":
         options = slurm_options(sweep.slurm, slurm or {})
         if not pending:
-            print(f"sweep: all {len(todo)} selected points finished; nothing to submit")
+            print(
+                f"sweep: all {len(todo)} selected points finished; nothing to submit", file=stream
+            )
             report(workdir)
             return 0
         if executor is None:
@@ -209,10 +214,17 @@ def run_sweep(
             f"when they finish: python -m ocformer.sweep report {workdir}",
             file=stream,
         )
-        return 0
-    run_local(workdir, todo, parallel=parallel)
+        if not wait:
+            return 0
+        for job in jobs:
+            job.result()
+    else:
+        run_local(workdir, todo, parallel=parallel)
     result = report(workdir)
-    print(f"sweep: results in {os.path.join(workdir, 'results.csv')} ({len(result['rows'])} rows)")
+    print(
+        f"sweep: results in {os.path.join(workdir, 'results.csv')} ({len(result['rows'])} rows)",
+        file=stream,
+    )
     failures = _failures(workdir, info)
     if failures:
         print(f"sweep: {len(failures)} failed:", file=sys.stderr)
