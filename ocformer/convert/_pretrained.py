@@ -102,15 +102,17 @@ def _weight_files(path: str) -> list[str]:
     raise ValueError(f"{path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}.{hint}")
 
 
-def _tensor_shapes(files: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor's shape and the file holding it, without reading the data."""
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
+def _tensor_shapes(files: list[str]) -> dict[str, tuple[tuple[int, ...], str, str]]:
+    """Every tensor's shape, the file holding it and its stored dtype, without reading
+    the data."""
+    out: dict[str, tuple[tuple[int, ...], str, str]] = {}
     for file in files:
         with safe_open(file, framework="np") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
                 if name in out:
                     raise ValueError(f"Tensor {name!r} is in two shards: {out[name][1]}, {file}.")
-                out[name] = (tuple(f.get_slice(name).get_shape()), file)
+                tensor = f.get_slice(name)
+                out[name] = (tuple(tensor.get_shape()), file, tensor.get_dtype())
     return out
 
 
@@ -627,7 +629,7 @@ def _canonical(name: str, prefix: str) -> str:
 
 
 def _match(
-    found: dict[str, tuple[tuple[int, ...], str]], family: _Family, config: dict
+    found: dict[str, tuple[tuple[int, ...], str, str]], family: _Family, config: dict
 ) -> tuple[dict[str, str], frozenset[str]]:
     """Canonical name -> file name, and the heads present; every mismatch named."""
     required, heads = family.shapes(config)
@@ -669,13 +671,11 @@ def _match(
     return names, present
 
 
-def _target_dtype(dtype, files: list[str]) -> np.dtype:
+def _target_dtype(dtype, found, names: dict[str, str]) -> np.dtype:
     if dtype is None:
-        with safe_open(files[0], framework="np") as f:
-            first = f.get_slice(next(iter(f.keys()))).get_dtype()
-        dtype = {"F64": np.float64, "F32": np.float32, "F16": np.float32, "BF16": np.float32}.get(
-            first, np.float32
-        )
+        # The dtype of the parameters (not of buffers such as GPT-2's mask tables).
+        stored = {found[name][2] for name in names.values()}
+        dtype = np.float64 if stored == {"F64"} else np.float32
     dtype = np.dtype(dtype)
     if not np.issubdtype(dtype, np.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}.")
@@ -740,8 +740,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None) -> PretrainedModel:
     config = _read_config(path)
     family = _family(config)
     files = _weight_files(path)
-    names, heads = _match(_tensor_shapes(files), family, config)
-    target = _target_dtype(dtype, files)
+    found = _tensor_shapes(files)
+    names, heads = _match(found, family, config)
+    target = _target_dtype(dtype, found, names)
     tensors = _read(files, names, target)
     parts = family.build(config, tensors, heads)
     return PretrainedModel(source_config=json.dumps(config, sort_keys=True), **parts)
