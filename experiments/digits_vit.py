@@ -19,7 +19,8 @@ from ocformer.config import (
 
 
 def get_config(arg: str | None = None) -> Config:
-    del arg
+    if arg is not None:
+        raise ValueError(f"unknown argument {arg!r}; digits_vit.py takes no argument")
     return Config(
         model=ModelConfig(
             num_layers=4,

@@ -23,9 +23,13 @@ from ocformer.config import (
     TrainConfig,
 )
 
+STEPS = {None: 7000, "short": 1500}
+
 
 def get_config(arg: str | None = None) -> Config:
-    steps = 1500 if arg == "short" else 7000
+    if arg not in STEPS:
+        raise ValueError(f"unknown argument {arg!r}; shakespeare_char.py takes 'short' or none")
+    steps = STEPS[arg]
     return Config(
         model=ModelConfig(
             num_layers=4,

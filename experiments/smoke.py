@@ -19,6 +19,8 @@ from ocformer.config import (
 
 
 def get_config(arg: str | None = None) -> Config:
+    if arg not in (None, "float64"):
+        raise ValueError(f"unknown argument {arg!r}; smoke.py takes 'float64' or none")
     return Config(
         model=ModelConfig(
             num_layers=2,

@@ -4,7 +4,8 @@ A thin wrapper over ``ocformer.training.train``; the only module that reads ``ar
 Re-running the same command resumes from the last committed checkpoint in DIR.
 
 Exit codes (``ocformer.training.ExitCode``): 0 done, 1 unexpected error, 2 bad
-configuration or input, 3 solver failure, 4 non-finite values (abort), 143 preempted by
+configuration or input (experiment file, work directory, changed configuration on resume,
+corrupted checkpoint), 3 solver failure, 4 non-finite values (abort), 143 preempted by
 SIGTERM (checkpoint written).
 """
 
@@ -34,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECTION.FIELD=VALUE",
         help="override one config field (repeatable), e.g. --set train.steps=200",
     )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume DIR even though the configuration differs from the one it holds "
+        "(the change is recorded in DIR/config_history.jsonl)",
+    )
     return p
 
 
@@ -47,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .checkpointing import CheckpointError
     from .config import ConfigError, resolve
-    from .training import ExitCode, TrainingError
+    from .training import ExitCode, TrainingError, WorkdirError
 
     try:
         config = resolve(args.config, args.overrides)
@@ -61,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
     command = [sys.executable, "-m", "ocformer.train", *(sys.argv[1:] if argv is None else argv)]
     try:
-        train(config, args.workdir, argv=command)
-    except ConfigError as e:
+        train(config, args.workdir, argv=command, allow_config_change=args.allow_config_change)
+    except (ConfigError, WorkdirError) as e:
         return _fail(ExitCode.USAGE, str(e))
     except CheckpointError as e:
         return _fail(ExitCode.USAGE, str(e))

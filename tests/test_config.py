@@ -56,6 +56,7 @@ def test_overrides_are_parsed_by_field_type():
             "optimiser.clip_norm=none",
             "discretisation.stepper=strang",
             "discretisation.sub_solver=midpoint",
+            "train.keep_checkpoints=7",
             "train.sample_prompt=ROMEO: x=1",
         ],
     )
@@ -65,6 +66,7 @@ def test_overrides_are_parsed_by_field_type():
     assert c.objective.kernel_norm == "spectral" and c.objective.kernel_bound == 2.0
     assert c.optimiser.clip_norm is None
     assert c.discretisation.stepper == "strang" and c.discretisation.sub_solver == "midpoint"
+    assert c.train.keep_checkpoints == 7
     assert c.train.sample_prompt == "ROMEO: x=1"  # only the first '=' splits
     validate(c)
     # Unchanged sections are the same objects: overrides touch only what they name.

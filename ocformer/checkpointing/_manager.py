@@ -8,6 +8,8 @@ at any moment of a save leaves at worst an incomplete directory, which the next 
 deletes. Old checkpoints are deleted marker first, for the same reason.
 """
 
+import asyncio
+import contextlib
 import json
 import os
 import re
@@ -41,6 +43,41 @@ def _leaf_spec(tree) -> list[dict[str, Any]]:
     ]
 
 
+class _DrainingEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that lets its unfinished tasks end before it closes.
+
+    orbax restores every array in one ``asyncio.gather``; when one read fails, the
+    gather raises at once while the other tensorstore reads are still in flight, and
+    orbax closes its loop. Each read that finishes afterwards then tries to wake the
+    closed loop and prints "RuntimeError: Event loop is closed" from a tensorstore
+    thread. Draining the loop first lets those reads end quietly.
+    """
+
+    def close(self) -> None:
+        if not self.is_running() and not self.is_closed():
+            pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            if pending:
+                self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _DrainingEventLoop()
+
+
+@contextlib.contextmanager
+def _draining_event_loops():
+    """orbax creates its loops with ``asyncio.new_event_loop()``: for the duration of
+    a restore, make those loops drain before closing."""
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_DrainingPolicy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(previous)
+
+
 class CheckpointManager:
     """Save and restore pytrees of arrays under ``directory``, keeping the newest ``keep``.
 
@@ -64,6 +101,19 @@ class CheckpointManager:
             # temporary directory, so the marker written next commits a finished save.
             self._checkpointer = ocp.PyTreeCheckpointer()
         return self._checkpointer
+
+    def close(self) -> None:
+        """Release orbax's resources (its background threads); the manager can be used
+        again afterwards. Also a context manager: ``with CheckpointManager(d) as m:``."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"step_{step}")
@@ -186,7 +236,8 @@ class CheckpointManager:
                     "new --workdir, or the configuration that wrote it."
                 )
         try:
-            payload = self._orbax().restore(path)
+            with _draining_event_loops():
+                payload = self._orbax().restore(path)
             arrays = [np.asarray(payload[f"{i:06d}"]) for i in range(len(want))]
         except Exception as e:  # orbax raises many kinds for damaged files
             raise CheckpointError(

@@ -1,7 +1,10 @@
 """Experiment files and ``--set`` overrides.
 
 An experiment file is a Python file with ``get_config(arg: str | None) -> Config``;
-``--config path.py:arg`` passes ``arg``. ``--set section.field=value`` parses ``value``
+``--config path.py:arg`` passes ``arg``, and ``get_config`` refuses an argument it does
+not know (raising ``ValueError`` that names the allowed ones). A file that cannot be
+imported, or a ``get_config`` that raises, is reported as a ``ConfigError`` naming the
+file and line, never as a traceback. ``--set section.field=value`` parses ``value``
 by the field's declared type, so ``--set train.steps=1e3`` is refused rather than
 silently truncated.
 """
@@ -9,6 +12,7 @@ silently truncated.
 import dataclasses
 import importlib.util
 import os
+import traceback
 import types
 import typing
 from typing import Any
@@ -118,17 +122,47 @@ def load_experiment(spec: str) -> Config:
     if spec_ is None or spec_.loader is None:
         raise ConfigError("--config", f"cannot import {path!r} as a Python module")
     module = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(module)
+    try:
+        spec_.loader.exec_module(module)
+    except SyntaxError as e:
+        where = f"{e.filename or path}, line {e.lineno}"
+        raise ConfigError(
+            "--config", f"experiment file {where}: SyntaxError: {e.msg}; fix the file"
+        ) from None
+    except Exception as e:  # an experiment file runs arbitrary code
+        raise ConfigError(
+            "--config", f"experiment file {_where(e, path)}: importing it raised {_what(e)}"
+        ) from None
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
         raise ConfigError("--config", f"{path} defines no get_config(arg: str | None) -> Config")
-    config = get_config(arg)
+    try:
+        config = get_config(arg)
+    except Exception as e:
+        raise ConfigError(
+            "--config", f"{spec}: get_config({arg!r}) raised {_what(e)} (at {_where(e, path)})"
+        ) from None
     if not isinstance(config, Config):
         raise ConfigError(
             "--config",
             f"{path}: get_config returned {type(config).__name__}, expected ocformer.config.Config",
         )
     return config
+
+
+def _what(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _where(error: Exception, path: str) -> str:
+    """``file, line n`` of the innermost frame of ``error`` in the experiment file (the
+    innermost frame overall if none is in it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    inside = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
+    frame = (inside or frames or [None])[-1]
+    if frame is None:
+        return path
+    return f"{frame.filename}, line {frame.lineno}"
 
 
 def resolve(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:

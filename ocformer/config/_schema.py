@@ -168,9 +168,6 @@ class TrainConfig:
         30.0, "after SIGTERM, seconds allowed to checkpoint before exiting anyway", gt=0.0
     )
     progress: bool = _field(True, "show a progress bar")
-    debug_nan_at_step: int | None = _field(
-        None, "testing: make the loss of this step NaN (1-based update index)", ge=1
-    )
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,14 @@ from ._embedding import (
     Readout as Readout,
     TokenEmbedding as TokenEmbedding,
 )
+from ._pretrained import (
+    AbstractHead as AbstractHead,
+    ClassTokenHead as ClassTokenHead,
+    Pooler as Pooler,
+    PretrainedModel as PretrainedModel,
+    TiedHead as TiedHead,
+    TokenTypeEmbedding as TokenTypeEmbedding,
+)
 from ._rules import (
     EXPLICIT_RELAXATION_LIMIT as EXPLICIT_RELAXATION_LIMIT,
     RULES as RULES,

@@ -9,5 +9,7 @@ from ._objective import Objective as Objective, cross_entropy as cross_entropy
 from ._running import (
     control_size as control_size,
     control_smoothness as control_smoothness,
+    grid_saveat as grid_saveat,
     kinetic_energy as kinetic_energy,
+    kinetic_energy_of_states as kinetic_energy_of_states,
 )

@@ -3,10 +3,13 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+import jax.tree_util as jtu
+from jaxtyping import Array, Bool, Float, Int
 
+from ..dynamics import time_grid
 from ..models._sequence import SequenceModel
-from ._running import control_size, control_smoothness, kinetic_energy
+from ..models._transformer import ContinuousTransformer
+from ._running import control_size, control_smoothness, grid_saveat, kinetic_energy_of_states
 
 
 def cross_entropy(
@@ -42,9 +45,10 @@ class Objective(eqx.Module):
     position of a causal language model, or the class token's logits. The running
     costs are integrals over $[t_0, t_1]$ by quadrature on the time grid (see
     ``control_smoothness``, ``control_size``, ``kinetic_energy``). The weights are
-    configuration, fixed at trace time: a zero weight costs nothing, and the kinetic
-    energy (one extra forward solve for the trajectory) is computed and reported only
-    when its weight is positive.
+    configuration, fixed at trace time: a zero weight costs nothing. The kinetic energy
+    is computed and reported only when its weight is positive; it then comes from the
+    same forward solve as the terminal cost, which saves the state at every grid point
+    instead of only at T (one ``diffeqsolve`` per evaluation either way).
 
     Args:
         control_smoothness: $\alpha \ge 0$.
@@ -74,7 +78,8 @@ class Objective(eqx.Module):
         key_mask = batch.get("key_mask")
         transformer = model.transformer
         u0 = model.initial_state(inputs)
-        logits = model.readout(transformer(u0, key_mask))
+        u_final, kinetic = _forward(transformer, u0, key_mask, with_kinetic=self.kinetic_energy > 0)
+        logits = model.readout(u_final)
         task_loss, accuracy = cross_entropy(logits, targets)
         m = transformer.steps_per_layer
         smooth = control_smoothness(transformer.control, m)
@@ -86,9 +91,30 @@ class Objective(eqx.Module):
             "control_smoothness": smooth,
             "control_size": size,
         }
-        if self.kinetic_energy > 0:
-            kinetic = kinetic_energy(transformer, u0, key_mask)
+        if kinetic is not None:
             loss = loss + self.kinetic_energy * kinetic
             metrics["kinetic_energy"] = kinetic
         metrics["loss"] = loss
         return loss, metrics
+
+
+def _forward(
+    transformer: ContinuousTransformer,
+    u0: Float[Array, "B N d"],
+    key_mask: Bool[Array, "B N"] | None,
+    *,
+    with_kinetic: bool,
+) -> tuple[Float[Array, "B N d"], Float[Array, ""] | None]:
+    """u(T) (after the final norm, as ``transformer(u0, key_mask)``) and, with
+    ``with_kinetic``, the kinetic energy of the same trajectory: one solve."""
+    if not with_kinetic:
+        return transformer(u0, key_mask), None
+    ts, _ = time_grid(transformer.control, transformer.steps_per_layer, u0.dtype)
+    ys = transformer.solve(u0, key_mask, saveat=grid_saveat(ts)).ys
+    assert ys is not None
+    kinetic = kinetic_energy_of_states(ts, ys, transformer.attention.grid.h_y, key_mask)
+    u_final = ys[-1]
+    if transformer.final_norm is not None:
+        cast = lambda x: x.astype(u0.dtype) if eqx.is_inexact_array(x) else x  # noqa: E731
+        u_final = transformer.layer_norm(jtu.tree_map(cast, transformer.final_norm), u_final)
+    return u_final, kinetic

@@ -63,6 +63,33 @@ def control_smoothness(control: AbstractControl, steps_per_layer: int = 1) -> Fl
     return jnp.sum(weights * _sum_squares(rates))
 
 
+def grid_saveat(ts: Float[Array, " T"]) -> diffrax.SaveAt:
+    """Save the state at every point of the step grid ``ts``: ``t0`` and ``t1`` are
+    saved exactly (the initial and final states), the interior points by ``ts``."""
+    if ts.shape[0] > 2:
+        return diffrax.SaveAt(t0=True, ts=ts[1:-1], t1=True)
+    return diffrax.SaveAt(t0=True, t1=True)
+
+
+def kinetic_energy_of_states(
+    ts: Float[Array, " T"],
+    ys: Float[Array, "T *batch N d"],
+    h_y: float,
+    key_mask: Bool[Array, "*batch N"] | None = None,
+) -> Float[Array, ""]:
+    r"""$\sum_k |u_{k+1} - u_k|^2 / \delta t_k$ from the states ``ys`` on the grid ``ts``.
+
+    The norm is the feature integral $h_y \sum_y$ averaged over tokens (unmasked ones
+    when ``key_mask`` is given) and over the batch, so it does not grow with the length.
+    """
+    dt = (ts[1:] - ts[:-1]).reshape(-1, *(1,) * (ys.ndim - 2))
+    per_token = h_y * jnp.sum(jnp.sum(jnp.square(ys[1:] - ys[:-1]), axis=-1) / dt, axis=0)
+    if key_mask is None:
+        return jnp.mean(per_token)
+    w = key_mask.astype(per_token.dtype)
+    return jnp.sum(per_token * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
 def kinetic_energy(
     transformer: ContinuousTransformer,
     u0: Float[Array, "B N d"],
@@ -70,23 +97,16 @@ def kinetic_energy(
 ) -> Float[Array, ""]:
     r"""$\int_0^T |u_t|^2\,dt$ from the trajectory: $\sum_k |u_{k+1} - u_k|^2 / \delta t_k$.
 
-    The states at every step of the grid come from one extra forward solve
-    (``SaveAt(ts=grid)``, which every gradient method supports). On a splitting scheme
-    this is the kinetic energy of the discrete trajectory, projections included. The
-    norm is the feature integral $h_y \sum_y$ averaged over tokens (unmasked ones when
-    ``key_mask`` is given) and over the batch, so it does not grow with the length.
+    The states at every step of the grid come from a forward solve that saves them
+    (``grid_saveat``: ``SaveAt`` of t0, the interior grid points and t1, which every
+    gradient method supports). On a splitting scheme this is the kinetic energy of the
+    discrete trajectory, projections included. ``Objective`` takes the same states from
+    the solve that gives its terminal cost, so that the cost needs no extra solve.
     """
     ts, _ = time_grid(transformer.control, transformer.steps_per_layer, u0.dtype)
-    sol = transformer.solve(u0, key_mask, saveat=diffrax.SaveAt(ts=ts))
-    ys = sol.ys
+    ys = transformer.solve(u0, key_mask, saveat=grid_saveat(ts)).ys
     assert ys is not None
-    h_y = transformer.attention.grid.h_y
-    dt = (ts[1:] - ts[:-1]).reshape(-1, *(1,) * (ys.ndim - 2))
-    per_token = h_y * jnp.sum(jnp.sum(jnp.square(ys[1:] - ys[:-1]), axis=-1) / dt, axis=0)
-    if key_mask is None:
-        return jnp.mean(per_token)
-    w = key_mask.astype(per_token.dtype)
-    return jnp.sum(per_token * w) / jnp.maximum(jnp.sum(w), 1.0)
+    return kinetic_energy_of_states(ts, ys, transformer.attention.grid.h_y, key_mask)
 
 
 def _float_dtype(control: AbstractControl):

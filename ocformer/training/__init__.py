@@ -1,19 +1,25 @@
-"""Training: the loop, its compiled steps, metrics, and the named outcomes of a run."""
+"""Training: the loop, its compiled steps, the work directory, and the named outcomes of a
+run."""
 
 from ._build import (
     Experiment as Experiment,
     build as build,
+    build_discretisation as build_discretisation,
     build_model as build_model,
     build_task as build_task,
 )
 from ._errors import (
+    ConfigChanged as ConfigChanged,
     ExitCode as ExitCode,
     NonFiniteError as NonFiniteError,
     Preempted as Preempted,
     SolverFailure as SolverFailure,
     TrainingError as TrainingError,
+    WorkdirError as WorkdirError,
 )
+from ._load_run import load_run as load_run
 from ._loop import train as train
 from ._metrics import MetricsLog as MetricsLog
 from ._optimiser import make_optimiser as make_optimiser, make_schedule as make_schedule
+from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
 from ._step import make_eval_step as make_eval_step, make_train_step as make_train_step

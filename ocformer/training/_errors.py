@@ -8,9 +8,10 @@ class ExitCode(enum.IntEnum):
 
     - ``OK`` (0): finished (or already finished: nothing left to do).
     - ``FAILURE`` (1): an unexpected error (a bug; the traceback is printed).
-    - ``USAGE`` (2): bad configuration or input (config field, experiment file,
-      ``--set`` syntax, missing data, corrupted or mismatched checkpoint); nothing was
-      traced.
+    - ``USAGE`` (2): bad configuration or input (config field, experiment file or its
+      argument, ``--set`` syntax, missing data, a work directory that is not usable or
+      not ocformer's, a changed configuration on resume, a corrupted or mismatched
+      checkpoint); nothing in the work directory was changed.
     - ``SOLVER_FAILURE`` (3): a diffrax solve failed (``SolverFailure``).
     - ``NON_FINITE`` (4): NaN/Inf with ``train.on_nonfinite="abort"``
       (``NonFiniteError``).
@@ -47,24 +48,31 @@ class SolverFailure(TrainingError):
         super().__init__(
             step,
             f"the ODE solve failed at training step {step}: {solver_message.strip()} "
-            "Loosen solver.rtol/solver.atol, use solver.stepsize=constant, or give the "
-            "solver more steps (scheme.steps_per_layer).",
+            "Loosen discretisation.rtol/atol, use discretisation.stepsize=constant, or give the "
+            "solver more steps (discretisation.steps_per_layer).",
         )
 
 
 class NonFiniteError(TrainingError):
     """NaN or Inf in ``source`` ("loss", "gradients" or "parameters") at step ``step``
-    with ``train.on_nonfinite="abort"``. No checkpoint holding it is ever written."""
+    with ``train.on_nonfinite="abort"``. No checkpoint holding it is ever written;
+    ``checkpoint`` is the newest committed one (the resume point), None if there is
+    none yet."""
 
     exit_code = ExitCode.NON_FINITE
 
-    def __init__(self, step: int, source: str):
+    def __init__(self, step: int, source: str, checkpoint: str | None = None):
         self.source = source
+        self.checkpoint = checkpoint
+        if checkpoint is None:
+            where = "No checkpoint has been written yet: a re-run starts from step 0."
+        else:
+            where = f"The last checkpoint, {checkpoint}, is finite and is the resume point."
         super().__init__(
             step,
-            f"non-finite {source} at training step {step} (NaN or Inf); aborting. The "
-            "last checkpoint is finite. Lower optimiser.learning_rate, enable "
-            "optimiser.clip_norm, or set train.on_nonfinite=skip to skip such updates.",
+            f"non-finite {source} at training step {step} (NaN or Inf); aborting. {where} "
+            "Lower optimiser.learning_rate, enable optimiser.clip_norm, or set "
+            "train.on_nonfinite=skip to skip such updates.",
         )
 
 
@@ -81,4 +89,30 @@ class Preempted(TrainingError):
             step,
             f"preempted (SIGTERM) after step {step}; wrote {where}. Re-run the same "
             "command to resume.",
+        )
+
+
+class WorkdirError(ValueError):
+    """A work directory that cannot be used: an empty path, a file, a directory that is
+    not writable, or one holding files that ocformer did not write. Nothing in it is
+    changed. The command line exits with ``ExitCode.USAGE``."""
+
+    exit_code = ExitCode.USAGE
+
+
+class ConfigChanged(WorkdirError):
+    """Resuming a work directory with a configuration other than the one it holds.
+
+    ``changes`` maps each dotted field to ``(stored, new)``. Nothing is changed unless
+    the change is allowed (``allow_config_change=True``, ``--allow-config-change``)."""
+
+    def __init__(self, workdir: str, changes: dict[str, tuple]):
+        self.changes = changes
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        super().__init__(
+            f"work directory {workdir} holds a run of another configuration; changed "
+            f"fields: {listed}. Resuming would mix two runs in one history. Use a new "
+            "--workdir, restore those fields, or pass --allow-config-change to continue "
+            "this run with the new values (the change is recorded in the directory's "
+            "config_history.jsonl)."
         )

@@ -16,10 +16,10 @@ def _plain(value):
 
 
 class MetricsLog:
-    """Append-only metrics file that a resumed run rewinds to its checkpoint.
+    """Append-only metrics file that a resumed run repairs and rewinds to its checkpoint.
 
     Each line is written and flushed whole, so a killed process leaves at most one
-    partial last line; ``rewind`` drops it and every line after the restored step, and
+    partial last line; ``repair`` drops it and every line after the restored step, and
     replaces the file atomically.
     """
 
@@ -40,19 +40,67 @@ class MetricsLog:
                     out.append(record)
         return out
 
-    def rewind(self, step: int) -> int:
-        """Keep the records of steps <= ``step``; returns how many were dropped."""
-        records = self.read()
-        kept = [r for r in records if r["step"] <= step]
-        if os.path.exists(self.path):
-            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        return len(records) - len(kept)
+    def repair(self, step: int) -> list[str]:
+        """Make the file describe exactly the steps <= ``step`` that it logged.
+
+        Drops a partial last line (a line without its newline that is not a whole
+        record: the write a kill interrupted), lines that are not records, and the
+        records of steps after ``step`` (logged after the restored checkpoint, which
+        the resumed run logs again). Kept lines are kept byte for byte; the file is
+        replaced atomically, and only if something was dropped.
+
+        Returns:
+            One warning per kind of line dropped (empty if the file was intact).
+        """
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        tail = lines.pop()  # b"" when the file ends with a newline
+        kept, torn, later = [], 0, 0
+        for line in lines + ([tail] if tail else []):
+            record = _record(line)
+            if record is None:
+                torn += 1
+            elif record["step"] > step:
+                later += 1
+            else:
+                kept.append(line)
+        warnings = []
+        if tail and _record(tail) is None:
+            torn -= 1
+            warnings.append(
+                f"{self.path}: dropped a partial last line ({len(tail)} bytes) left by an "
+                "interrupted write"
+            )
+        if torn:
+            warnings.append(f"{self.path}: dropped {torn} line(s) that are not metric records")
+        if later:
+            warnings.append(
+                f"{self.path}: rewound to step {step}, the restored checkpoint: dropped "
+                f"{later} record(s) of later steps, which this run logs again"
+            )
+        if warnings:
+            text = b"".join(line + b"\n" for line in kept).decode("utf-8")
+            atomic_write_text(self.path, text)
+        return warnings
 
     def append(self, record: dict) -> None:
         line = json.dumps({k: _plain(v) for k, v in record.items()})
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()
+
+
+def _record(line: bytes) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(record, dict) and isinstance(record.get("step"), int):
+        return record
+    return None
 
 
 def rewind_samples(path: str, step: int) -> None:

@@ -31,24 +31,17 @@ def _select(ok, new, old):
 def make_train_step(
     objective, constraints, optimiser: optax.GradientTransformation, *, skip_nonfinite: bool
 ) -> Callable:
-    """``step(model, opt_state, batch, loss_scale) -> (model, opt_state, metrics, finite)``.
+    """``step(model, opt_state, batch) -> (model, opt_state, metrics, finite)``.
 
     ``finite`` holds one flag per entry of ``FINITE_SOURCES``. With ``skip_nonfinite``
     an update whose loss, gradients or new parameters are not finite is discarded
     inside the compiled step (model and optimiser state are returned unchanged);
     otherwise it is returned as computed and the caller aborts before using it.
-    ``loss_scale`` multiplies the loss (1 in training; NaN injects a fault in tests).
     """
 
-    def loss_fn(model, batch, loss_scale):
-        loss, metrics = objective(model, batch)
-        return loss * loss_scale.astype(loss.dtype), metrics
-
     @eqx.filter_jit
-    def step(model, opt_state, batch, loss_scale):
-        (loss, metrics), grads = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
-            model, batch, loss_scale
-        )
+    def step(model, opt_state, batch):
+        (loss, metrics), grads = eqx.filter_value_and_grad(objective, has_aux=True)(model, batch)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, new_opt_state = optimiser.update(grads, opt_state, params)
         new_model = constraints.project(eqx.apply_updates(model, updates))

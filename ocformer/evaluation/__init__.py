@@ -1,0 +1,11 @@
+"""Evaluation of trained runs, under their own discretisation or another one."""
+
+from ._evaluate import (
+    DISCRETISATION_SECTIONS as DISCRETISATION_SECTIONS,
+    check_discretisation_field as check_discretisation_field,
+    discretisation_of as discretisation_of,
+    evaluate as evaluate,
+    evaluate_run as evaluate_run,
+    evaluations_per_step as evaluations_per_step,
+    solver_stats as solver_stats,
+)

@@ -1,0 +1,181 @@
+r"""Evaluate a trained run on its task's validation split, under its own discretisation
+or another one.
+
+The controls $\theta(t)$ are what training produced; the discretisation (time stepper,
+steps per layer, step-size control, gradient method) is a choice made at evaluation
+time. Re-discretising a trained model keeps every array of the problem (embedding,
+controls, readout) and rebuilds everything else from the changed configuration.
+"""
+
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..checkpointing import CheckpointManager
+from ..config import Config, ConfigError, apply_overrides, to_dict, validate
+from ..models import rediscretise
+from ..splitting import ProjectedSolver
+from ..training import SolverFailure, build, build_discretisation, load_run, make_eval_step
+
+# The config section that describes how the equation is discretised (nothing else may
+# change between training and evaluation).
+DISCRETISATION_SECTIONS: tuple[str, ...] = ("discretisation",)
+
+
+def check_discretisation_field(key: str) -> None:
+    """Refuse an evaluation-time change of anything but the discretisation.
+
+    Raises:
+        ConfigError: ``key`` is not in a discretisation section.
+    """
+    if key.split(".", 1)[0] not in DISCRETISATION_SECTIONS:
+        allowed = ", ".join(f"{s}.*" for s in DISCRETISATION_SECTIONS)
+        raise ConfigError(
+            key,
+            f"evaluation may change only the discretisation ({allowed}); {key} changes the "
+            "trained problem itself. Train a new run to change it.",
+        )
+
+
+def discretisation_of(config: Config) -> dict:
+    """The discretisation fields of ``config``, by dotted name."""
+    data = to_dict(config)
+    return {f"{s}.{k}": v for s in DISCRETISATION_SECTIONS for k, v in data[s].items()}
+
+
+def _enable_x64_if_needed(workdir: str) -> None:
+    # A float64 run needs 64-bit JAX before its model is built (as in ocformer.train).
+    path = os.path.join(workdir, "config.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            if json.load(f).get("model", {}).get("dtype") == "float64":
+                jax.config.update("jax_enable_x64", True)
+
+
+def _time_stepper(model):
+    # The stepper the model's solve hands to diffeqsolve (a splitting scheme or a
+    # diffrax solver, possibly wrapped by the projected formulation).
+    return model.transformer.time_stepper()
+
+
+def evaluations_per_step(stepper) -> tuple[int, bool] | None:
+    """(vector-field evaluations per step, first-same-as-last) of a diffrax Runge-Kutta
+    solver, from its Butcher tableau; ``None`` for anything else (splitting schemes
+    evaluate sub-flows, not the full vector field)."""
+    inner = stepper.solver if isinstance(stepper, ProjectedSolver) else stepper
+    if isinstance(inner, diffrax.Euler):
+        return 1, False
+    tableau = getattr(inner, "tableau", None)
+    if not isinstance(tableau, diffrax.ButcherTableau):
+        return None
+    return tableau.num_stages, bool(tableau.fsal)
+
+
+@eqx.filter_jit
+def _solve_stats(model, inputs, key_mask):
+    sol = model.transformer.solve(model.initial_state(inputs), key_mask)
+    return {k: v for k, v in sol.stats.items() if k != "max_steps"}
+
+
+def solver_stats(model, batch: dict) -> dict:
+    """diffrax's statistics of one forward solve of ``model`` on ``batch``: steps taken,
+    accepted and rejected, and the vector-field evaluations (NFE) they cost.
+
+    ``nfe`` is counted from the steps and the solver's tableau (stages per step; one
+    fewer after the first step for first-same-as-last solvers); ``None`` for splitting
+    schemes, whose steps evaluate sub-flows rather than the whole vector field.
+    """
+    stats = {
+        k: int(v)
+        for k, v in _solve_stats(model, jnp.asarray(batch["inputs"]), batch.get("key_mask")).items()
+    }
+    out = {
+        "solver_steps": stats["num_steps"],
+        "accepted_steps": stats["num_accepted_steps"],
+        "rejected_steps": stats["num_rejected_steps"],
+        "nfe": None,
+    }
+    per_step = evaluations_per_step(_time_stepper(model))
+    if per_step is not None:
+        stages, fsal = per_step
+        n = stats["num_steps"]
+        out["nfe"] = (1 + n * (stages - 1)) if fsal and n else n * stages
+    return out
+
+
+def evaluate(config: Config, model, task=None) -> dict:
+    """Validation metrics of ``model`` on the validation split of ``config``'s task.
+
+    Returns:
+        ``val_loss`` (the task loss), ``val_objective``, the task's other metrics as
+        ``val_<name>`` (``val_accuracy``), the solver statistics of one forward solve
+        (``solver_steps``, ``accepted_steps``, ``rejected_steps``, ``nfe``) and
+        ``eval_time_s``.
+
+    Raises:
+        SolverFailure: a diffrax solve failed (step ``0`` stands for evaluation).
+    """
+    started = time.perf_counter()
+    exp = build(config, task)
+    task = exp.task
+    tc = config.task
+    batches = [
+        {k: jnp.asarray(v) for k, v in b.items()}
+        for b in task.eval_batches(tc.eval_batch_size, tc.eval_batches, config.train.seed)
+    ]
+    step = make_eval_step(exp.objective)
+    try:
+        records = [{k: float(v) for k, v in step(model, b).items()} for b in batches]
+        stats = solver_stats(model, batches[0])
+    except eqx.EquinoxRuntimeError as e:
+        raise SolverFailure(0, str(e).split("\n---", 1)[0].strip()) from None
+    mean = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+    out = {"val_objective": mean.pop("loss")}
+    out.update({f"val_{k}": v for k, v in mean.items()})
+    if "val_task_loss" in out:
+        out["val_loss"] = out.pop("val_task_loss")
+    out.update(stats)
+    out["eval_time_s"] = time.perf_counter() - started
+    return out
+
+
+def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None = None) -> dict:
+    """Evaluate the trained run in ``workdir`` under its discretisation changed by
+    ``overrides`` (``"section.field=value"``, discretisation fields only).
+
+    Returns:
+        ``evaluate``'s metrics plus ``workdir``, ``step`` (of the checkpoint),
+        ``overrides`` and ``discretisation`` (every discretisation field used).
+
+    Raises:
+        ConfigError: an override outside the discretisation, or an invalid one.
+        ocformer.training.WorkdirError: not a run directory, or no checkpoint.
+        ocformer.checkpointing.CheckpointError: a corrupted checkpoint.
+        SolverFailure: a solve failed under the new discretisation.
+    """
+    for text in overrides:
+        check_discretisation_field(text.split("=", 1)[0].strip())
+    _enable_x64_if_needed(workdir)
+    config, trained = load_run(workdir, step)
+    at_step = (
+        CheckpointManager(os.path.join(workdir, "checkpoints")).latest() if step is None else step
+    )
+    new_config = validate(apply_overrides(config, list(overrides)))
+    # A replace of the discretisation value: the trained arrays are untouched, and the
+    # grid-dependent parts are derived from the new value at the next solve.
+    model = rediscretise(trained, build_discretisation(new_config))
+    metrics = evaluate(new_config, model)
+    return {
+        "workdir": workdir,
+        "step": at_step,
+        "overrides": list(overrides),
+        "discretisation": discretisation_of(new_config),
+        **metrics,
+    }

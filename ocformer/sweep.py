@@ -1,0 +1,95 @@
+"""Command line of sweeps.
+
+``python -m ocformer.sweep FILE[:arg] --workdir DIR [--launcher local|slurm]
+[--parallel N] [--seeds K] [--only field=value ...] [--dry-run]`` runs a sweep file
+(``experiments/sweeps/<name>.py``); ``python -m ocformer.sweep report DIR`` rebuilds
+``results.csv``, ``results.md`` and ``plots/`` without running anything. Running the
+same sweep again skips finished points and resumes interrupted ones.
+
+Exit codes: 0 every point done, 1 some failed (listed), 2 an invalid sweep, point,
+field or work directory (reported before anything runs).
+"""
+
+import argparse
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ocformer.sweep",
+        description="Train an experiment over a grid of config values and seeds.",
+        epilog="python -m ocformer.sweep report DIR: re-aggregate results without running.",
+    )
+    p.add_argument("sweep", metavar="FILE.py[:ARG]", help="sweep file defining get_sweep(arg)")
+    p.add_argument(
+        "--workdir", required=True, metavar="DIR", help="sweep directory (reuse to resume)"
+    )
+    p.add_argument("--launcher", choices=("local", "slurm"), default="local")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="local worker processes")
+    p.add_argument("--seeds", type=int, default=None, metavar="K", help="run seeds 0..K-1")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="run only the points with this axis value (repeatable; field or axis name)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show the points (and job script)")
+    g = p.add_argument_group("SLURM (--launcher slurm; defaults from the sweep file)")
+    g.add_argument("--partition", default=None)
+    g.add_argument("--time-min", type=int, default=None, help="minutes per array task")
+    g.add_argument("--cpus", type=int, default=None, help="CPUs per task")
+    g.add_argument("--gpus", type=int, default=None, help="GPUs per node")
+    g.add_argument("--nodes", type=int, default=None, help="nodes per task")
+    g.add_argument("--array-parallelism", type=int, default=None, help="tasks running at once")
+    return p
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"ocformer.sweep: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    from .sweeping import SweepError, report, run_sweep
+
+    if args_list[:1] == ["report"]:
+        if len(args_list) != 2:
+            return _fail(2, "usage: python -m ocformer.sweep report DIR")
+        if not os.path.isfile(os.path.join(args_list[1], "sweep.json")):
+            return _fail(2, f"{args_list[1]} is not a sweep directory (no sweep.json)")
+        result = report(args_list[1])
+        print(f"sweep: {len(result['rows'])} rows, {len(result['plots'])} plots in {args_list[1]}")
+        return 0
+    args = _parser().parse_args(args_list)
+    slurm = {
+        "partition": args.partition,
+        "time_min": args.time_min,
+        "cpus": args.cpus,
+        "gpus": args.gpus,
+        "nodes": args.nodes,
+        "array_parallelism": args.array_parallelism,
+    }
+    try:
+        return run_sweep(
+            args.sweep,
+            args.workdir,
+            launcher=args.launcher,
+            parallel=args.parallel,
+            seeds=args.seeds,
+            only=args.only,
+            dry_run=args.dry_run,
+            slurm=slurm,
+            argv=[sys.executable, "-m", "ocformer.sweep", *args_list],
+        )
+    except SweepError as e:
+        return _fail(2, str(e))
+    except KeyboardInterrupt:
+        return _fail(130, "interrupted; rerun the same command to resume")
+
+
+if __name__ == "__main__":
+    sys.exit(int(main()))

@@ -1,0 +1,234 @@
+"""A sweep from file to results: resolve and validate every point, check the work
+directory, run the unfinished points (locally or as a SLURM job array), report."""
+
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..checkpointing import atomic_write_text
+from ._points import Point, check_buildable, resolve_points
+from ._results import report
+from ._run import is_finished, point_dir, read_status, run_local
+from ._slurm import job_script, slurm_options, submit
+from ._spec import SEED_FIELD, Sweep, SweepError, load_sweep
+
+_SWEEP_FILE = "sweep.json"
+_OWN = {_SWEEP_FILE, "points", "cache", "slurm", "plots", "results.csv", "results.md"}
+
+
+def sweep_id(sweep_path: str, arg: str | None) -> str:
+    """A sweep's identity: its file's name and argument (its contents may change)."""
+    name = os.path.splitext(os.path.basename(sweep_path))[0]
+    return name if arg is None else f"{name}:{arg}"
+
+
+def check_workdir(workdir: str, ident: str) -> None:
+    """Refuse a work directory that holds another sweep or something else.
+
+    Raises:
+        SweepError: naming the directory, what it holds and the fix.
+    """
+    if not os.path.exists(workdir):
+        return
+    if not os.path.isdir(workdir):
+        raise SweepError(workdir, "is a file; give a directory for --workdir")
+    file = os.path.join(workdir, _SWEEP_FILE)
+    if os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            held = json.load(f).get("id")
+        if held != ident:
+            raise SweepError(
+                workdir,
+                f"holds the results of sweep {held!r}, not {ident!r}; give another --workdir "
+                "(a directory holds one sweep, so that no result is overwritten)",
+            )
+        return
+    foreign = sorted(set(os.listdir(workdir)) - _OWN)
+    if foreign:
+        raise SweepError(
+            workdir,
+            f"is not a sweep directory (it holds {', '.join(foreign[:5])}); give a new or "
+            "empty --workdir",
+        )
+
+
+def _point_record(spec: str, p: Point) -> dict:
+    return {
+        "name": p.name,
+        "spec": spec,
+        "sets": list(p.sets),
+        "labels": p.labels,
+        "settings": p.settings,
+        "config": p.config,
+        "evaluations": [
+            {"name": e.name, "sets": list(e.sets), "labels": e.labels, "settings": e.settings}
+            for e in p.evaluations
+        ],
+    }
+
+
+def sweep_info(
+    sweep: Sweep, sweep_path: str, arg: str | None, spec: str, points: Sequence[Point], argv
+) -> dict:
+    """What ``sweep.json`` records: command, revision, versions and resolved points."""
+    from ..training._run_info import git_revision, package_versions
+
+    train_fields = [f for a in sweep.axes for f in a.fields] + [SEED_FIELD]
+    eval_fields = [f for a in sweep.evaluate for f in a.fields]
+    return {
+        "id": sweep_id(sweep_path, arg),
+        "name": sweep_id(sweep_path, arg),
+        "sweep_file": sweep_path,
+        "arg": arg,
+        "experiment": spec,
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "cwd": os.getcwd(),
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git": git_revision(),
+        "versions": package_versions(),
+        "axes": {a.name: list(a.fields) for a in sweep.axes},
+        "evaluation_axes": {a.name: list(a.fields) for a in sweep.evaluate},
+        "train_fields": list(dict.fromkeys(train_fields)),
+        "eval_fields": list(dict.fromkeys(eval_fields)),
+        "seed_field": SEED_FIELD,
+        "num_seeds": len({p.seed for p in points}),
+        "points": [_point_record(spec, p) for p in points],
+    }
+
+
+def plan(
+    spec: str,
+    *,
+    workdir: str,
+    seeds: int | None = None,
+    only: Sequence[str] = (),
+    argv: Sequence[str] = (),
+    build: bool = True,
+) -> tuple[Sweep, dict, list[dict]]:
+    """Load, resolve and validate a sweep, and check its work directory.
+
+    Returns:
+        The sweep, the ``sweep.json`` record (all points) and the points selected to
+        run (``only``).
+
+    Raises:
+        SweepError: before anything runs or is written.
+    """
+    sweep, path, arg = load_sweep(spec)
+    experiment, points = resolve_points(sweep, path, seeds=seeds)
+    selected = {p.name for p in resolve_points(sweep, path, seeds=seeds, only=only)[1]}
+    if build:
+        check_buildable(path, points)
+    check_workdir(workdir, sweep_id(path, arg))
+    info = sweep_info(sweep, path, arg, experiment, points, argv)
+    todo = [p for p in info["points"] if p["name"] in selected]
+    return sweep, info, todo
+
+
+def _failures(workdir: str, info: dict) -> list[str]:
+    out = []
+    for p in info["points"]:
+        status = read_status(point_dir(workdir, p["name"]))
+        if status.get("status") == "failed":
+            out.append(f"{p['name']}: exit code {status.get('exit_code')}: {status.get('error')}")
+        for name, f in (status.get("evaluation_failures") or {}).items():
+            out.append(f"{p['name']} (evaluation {name}): exit code {f['exit_code']}: {f['error']}")
+    return out
+
+
+def run_sweep(
+    spec: str,
+    workdir: str,
+    *,
+    launcher: str = "local",
+    parallel: int = 1,
+    seeds: int | None = None,
+    only: Sequence[str] = (),
+    dry_run: bool = False,
+    slurm: Mapping[str, Any] | None = None,
+    executor=None,
+    wait: bool = False,
+    argv: Sequence[str] = (),
+    stream=None,
+) -> int:
+    """Run a sweep; returns the exit code (0 all done, 1 some failed).
+
+    Args:
+        spec: ``path/to/sweep.py[:arg]``.
+        workdir: the sweep directory (created; reused to skip finished points).
+        launcher: ``"local"`` (``parallel`` worker processes) or ``"slurm"``.
+        seeds, only: see ``resolve_points``.
+        dry_run: print what would run (and the SLURM job script) and write nothing.
+        slurm: SLURM options given as flags (over the sweep file's).
+        executor: a submitit executor to use instead of SLURM's (tests use submitit's
+            local executor).
+        wait: with SLURM, wait for the array to finish and report (default: return
+            once submitted; ``python -m ocformer.sweep report DIR`` reports later).
+        argv: the command line, recorded in ``sweep.json``.
+
+    Raises:
+        SweepError: an invalid sweep, point, field or work directory (nothing ran).
+    """
+    stream = sys.stdout if stream is None else stream
+    if launcher not in ("local", "slurm"):
+        raise SweepError("--launcher", f"expected local or slurm, got {launcher!r}")
+    workdir = os.path.abspath(workdir)
+    sweep, info, todo = plan(spec, workdir=workdir, seeds=seeds, only=only, argv=argv)
+    pending = [p for p in todo if not is_finished(workdir, p)]
+    if dry_run:
+        print(
+            f"sweep {info['id']}: {len(info['points'])} points, {len(todo)} selected, "
+            f"{len(pending)} to run (dry run: nothing runs or is written)",
+            file=stream,
+        )
+        for p in todo:
+            state = "to run" if p in pending else "finished"
+            extra = f" + {len(p['evaluations'])} evaluations" if p["evaluations"] else ""
+            print(f"  {p['name']}{extra}: {state}", file=stream)
+        if launcher == "slurm":
+            options = slurm_options(sweep.slurm, slurm or {})
+            print("--- job script (one array task per point) ---", file=stream)
+            print(job_script(workdir, max(len(pending), 1), options), file=stream)
+        return 0
+    os.makedirs(workdir, exist_ok=True)
+    atomic_write_text(os.path.join(workdir, _SWEEP_FILE), json.dumps(info, indent=2) + "\n")
+    if launcher == "slurm":
+        options = slurm_options(sweep.slurm, slurm or {})
+        if not pending:
+            print(
+                f"sweep: all {len(todo)} selected points finished; nothing to submit", file=stream
+            )
+            report(workdir)
+            return 0
+        if executor is None:
+            from ._slurm import executor_for
+
+            executor = executor_for(workdir, options)
+        jobs = submit(workdir, pending, executor)
+        print(
+            f"sweep: submitted {len(jobs)} array tasks (job {jobs[0].job_id.split('_')[0]}); "
+            f"when they finish: python -m ocformer.sweep report {workdir}",
+            file=stream,
+        )
+        if not wait:
+            return 0
+        for job in jobs:
+            job.result()
+    else:
+        run_local(workdir, todo, parallel=parallel)
+    result = report(workdir)
+    print(
+        f"sweep: results in {os.path.join(workdir, 'results.csv')} ({len(result['rows'])} rows)",
+        file=stream,
+    )
+    failures = _failures(workdir, info)
+    if failures:
+        print(f"sweep: {len(failures)} failed:", file=sys.stderr)
+        for line in failures:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0

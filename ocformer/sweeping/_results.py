@@ -1,0 +1,302 @@
+"""A sweep's results: ``results.csv`` (one row per point, seed and evaluation),
+``results.md`` (mean +- std over seeds) and ``plots/*.png``, rebuilt from the point
+directories at any time (``python -m ocformer.sweep report DIR``)."""
+
+import csv
+import io
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..checkpointing import atomic_write_text
+from ._run import TRAINED, evaluation_file, point_dir, read_status, run_dir
+
+METRICS: tuple[str, ...] = (
+    "final_val_loss",
+    "best_val_loss",
+    "final_val_accuracy",
+    "best_val_accuracy",
+    "train_steps_per_s",
+    "wall_time_s",
+    "compile_time_s",
+    "cache_hits",
+    "peak_rss_mb",
+    "solver_steps",
+    "accepted_steps",
+    "rejected_steps",
+    "nfe",
+)
+"""The measured columns of ``results.csv``, in order."""
+
+_LOWER_IS_BETTER_LOG = ("final_val_loss", "best_val_loss", "nfe", "solver_steps")
+
+
+def _read_metrics(path: str) -> list[dict]:
+    file = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(file):
+        return []
+    with open(file, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _number(x) -> float | None:
+    if x is None:
+        return None
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _training_metrics(path: str) -> dict:
+    records = _read_metrics(path)
+    out: dict = {}
+    evals = [r for r in records if "val_loss" in r]
+    losses = [v for v in (_number(r["val_loss"]) for r in evals) if v is not None]
+    if losses:
+        out["final_val_loss"] = _number(evals[-1]["val_loss"])
+        out["best_val_loss"] = min(losses)
+    accs = [v for v in (_number(r.get("val_accuracy")) for r in evals) if v is not None]
+    if accs:
+        out["final_val_accuracy"] = _number(evals[-1].get("val_accuracy"))
+        out["best_val_accuracy"] = max(accs)
+    # The first logged window holds the compilation of the training step.
+    rates = [v for v in (_number(r.get("steps_per_s")) for r in records) if v is not None]
+    if rates:
+        out["train_steps_per_s"] = float(np.median(rates[1:] if len(rates) > 1 else rates))
+    if records:
+        out["step"] = records[-1].get("step")
+    return out
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def rows(sweep_dir: str, info: dict) -> list[dict]:
+    """One row per point and seed (the trained discretisation) plus one per
+    evaluation-time discretisation, for every point of ``sweep.json``."""
+    train_fields = info["train_fields"]
+    eval_fields = info["eval_fields"]
+    out = []
+    for p in info["points"]:
+        path = point_dir(sweep_dir, p["name"])
+        status = read_status(path)
+        base = {"point": p["name"], **{f: p["settings"].get(f) for f in train_fields}}
+        config = p["config"]
+        trained_values = {f: config[f.split(".")[0]][f.split(".")[1]] for f in eval_fields}
+        row = {
+            **base,
+            "evaluation": TRAINED,
+            **{f"eval.{f}": v for f, v in trained_values.items()},
+            "status": status.get("status", "pending"),
+            "exit_code": status.get("exit_code"),
+            "error": status.get("error"),
+        }
+        for key in ("wall_time_s", "compile_time_s", "cache_hits", "peak_rss_mb"):
+            row[key] = status.get(key)
+        row.update(_training_metrics(run_dir(sweep_dir, p["name"])))
+        trained = _read_json(evaluation_file(path, TRAINED))
+        for key in ("solver_steps", "accepted_steps", "rejected_steps", "nfe"):
+            row[key] = trained.get(key)
+        out.append(row)
+        for e in p["evaluations"]:
+            result = _read_json(evaluation_file(path, e["name"]))
+            values = {**trained_values, **e["settings"]}
+            erow = {
+                **base,
+                "evaluation": e["name"],
+                **{f"eval.{f}": values[f] for f in eval_fields},
+                "status": result.get("status", "done" if result else "pending"),
+                "exit_code": result.get("exit_code", 0 if result else None),
+                "error": result.get("error"),
+            }
+            erow["final_val_loss"] = result.get("val_loss")
+            erow["final_val_accuracy"] = result.get("val_accuracy")
+            for key in ("solver_steps", "accepted_steps", "rejected_steps", "nfe"):
+                erow[key] = result.get(key)
+            out.append(erow)
+    return out
+
+
+def columns(info: dict) -> list[str]:
+    return [
+        "point",
+        *info["train_fields"],
+        "evaluation",
+        *(f"eval.{f}" for f in info["eval_fields"]),
+        "status",
+        "exit_code",
+        "error",
+        "step",
+        *METRICS,
+    ]
+
+
+def write_csv(path: str, table: list[dict], cols: Sequence[str]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(cols), extrasaction="ignore")
+    writer.writeheader()
+    for r in table:
+        writer.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in cols})
+    atomic_write_text(path, buf.getvalue())
+
+
+def _group_keys(info: dict) -> list[str]:
+    seed = info["seed_field"]
+    return [f for f in info["train_fields"] if f != seed] + [
+        f"eval.{f}" for f in info["eval_fields"]
+    ]
+
+
+def aggregate(table: list[dict], info: dict) -> list[dict]:
+    """Rows grouped over seeds: for each metric its mean, std and count of the
+    finished rows."""
+    keys = _group_keys(info)
+    groups: dict[tuple, list[dict]] = {}
+    for r in table:
+        groups.setdefault(tuple(json.dumps(r.get(k)) for k in keys), []).append(r)
+    out = []
+    for _, members in groups.items():
+        g = {k: members[0].get(k) for k in keys}
+        ok = [r for r in members if r.get("status") == "done"]
+        g["n"] = len(ok)
+        g["failed"] = sum(r.get("status") == "failed" for r in members)
+        for m in METRICS:
+            vals = [v for v in (_number(r.get(m)) for r in ok) if v is not None]
+            g[m] = (float(np.mean(vals)), float(np.std(vals)), len(vals)) if vals else None
+        out.append(g)
+    return out
+
+
+def _fmt(x: float) -> str:
+    if x == 0 or 1e-3 <= abs(x) < 1e5:
+        return f"{x:.4g}"
+    return f"{x:.3e}"
+
+
+_MD_METRICS = (
+    "final_val_loss",
+    "best_val_loss",
+    "final_val_accuracy",
+    "nfe",
+    "train_steps_per_s",
+    "wall_time_s",
+    "compile_time_s",
+    "peak_rss_mb",
+)
+
+
+def markdown(groups: list[dict], info: dict) -> str:
+    keys = _group_keys(info)
+    metrics = [m for m in _MD_METRICS if any(g[m] is not None for g in groups)]
+    head = [*keys, "n", *metrics]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g in groups:
+        cells = [str(g[k]) for k in keys] + [
+            str(g["n"]) + (f" ({g['failed']} failed)" if g["failed"] else "")
+        ]
+        for m in metrics:
+            v = g[m]
+            if v is None:
+                cells.append("")
+            elif v[2] > 1:
+                cells.append(f"{_fmt(v[0])} +- {_fmt(v[1])}")
+            else:
+                cells.append(_fmt(v[0]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
+    """Each metric against each axis (numeric axes on a numeric scale, logarithmic
+    where the values span a decade or more), one line per value of the other axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = _group_keys(info)
+    varying = [k for k in keys if len({json.dumps(g[k]) for g in groups}) > 1]
+    metrics = [m for m in METRICS if any(g[m] is not None for g in groups)]
+    os.makedirs(folder, exist_ok=True)
+    written = []
+    for x in varying:
+        xs_all = [g[x] for g in groups]
+        numeric = all(_is_number(v) for v in xs_all)
+        categories = sorted({json.dumps(v) for v in xs_all})
+        others = [k for k in varying if k != x]
+        for m in metrics:
+            fig, ax = plt.subplots(figsize=(5.5, 3.8))
+            lines: dict[tuple, list] = {}
+            for g in groups:
+                if g[m] is None:
+                    continue
+                lines.setdefault(tuple(str(g[k]) for k in others), []).append(g)
+            if not lines:
+                plt.close(fig)
+                continue
+            for label, members in sorted(lines.items()):
+                if numeric:
+                    members = sorted(members, key=lambda g: g[x])
+                    xs = [g[x] for g in members]
+                else:
+                    members = sorted(members, key=lambda g: categories.index(json.dumps(g[x])))
+                    xs = [categories.index(json.dumps(g[x])) for g in members]
+                ys = [g[m][0] for g in members]
+                es = [g[m][1] for g in members]
+                name = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(others, label))
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name or None)
+            if numeric:
+                pos = [v for v in xs_all if v > 0]
+                if len(pos) == len(xs_all) and max(pos) / min(pos) >= 10:
+                    ax.set_xscale("log")
+            else:
+                ax.set_xticks(range(len(categories)))
+                ax.set_xticklabels([json.loads(c) for c in categories], rotation=20)
+            ys_all = [g[m][0] for g in groups if g[m] is not None]
+            if m in _LOWER_IS_BETTER_LOG and min(ys_all) > 0 and max(ys_all) / min(ys_all) >= 10:
+                ax.set_yscale("log")
+            ax.set_xlabel(x)
+            ax.set_ylabel(m + (" (mean +- std over seeds)" if info["num_seeds"] > 1 else ""))
+            ax.set_title(f"{info['name']}: {m} vs {x.split('.')[-1]}", fontsize=10)
+            if others:
+                ax.legend(fontsize=7)
+            ax.grid(True, alpha=0.3)
+            fig.tight_layout()
+            file = os.path.join(folder, f"{m}_vs_{x.replace('.', '_')}.png")
+            fig.savefig(file, dpi=100)
+            plt.close(fig)
+            written.append(file)
+    return written
+
+
+def report(sweep_dir: str, make_plots: bool = True) -> dict:
+    """Re-aggregate a sweep directory from its point directories (runs nothing).
+
+    Returns:
+        ``rows`` (results.csv), ``groups`` (results.md) and the written ``plots``.
+    """
+    with open(os.path.join(sweep_dir, "sweep.json"), encoding="utf-8") as f:
+        info = json.load(f)
+    table = rows(sweep_dir, info)
+    write_csv(os.path.join(sweep_dir, "results.csv"), table, columns(info))
+    groups = aggregate(table, info)
+    text = (
+        f"# {info['name']}\n\n`{info['command']}`\n\n"
+        "Mean +- std over seeds (n: finished runs).\n\n" + markdown(groups, info)
+    )
+    atomic_write_text(os.path.join(sweep_dir, "results.md"), text)
+    plots = plot(groups, info, os.path.join(sweep_dir, "plots")) if make_plots else []
+    return {"rows": table, "groups": groups, "plots": plots}

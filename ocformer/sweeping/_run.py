@@ -1,0 +1,347 @@
+"""Running a sweep's points: one ``python -m ocformer.train`` process per point, then
+``python -m ocformer.evaluate`` for its solver statistics and evaluation-time
+discretisations.
+
+Layout of a sweep directory::
+
+    DIR/sweep.json                 command, git revision, versions, resolved points
+    DIR/points/<slug>-<hash>/      one folder per point:
+        run/                       its ocformer.train work directory
+        sweep_point.json           status, exit code, error line, wall/compile time, RSS
+        train.log, evaluate.log    the processes' output
+        evaluations/<name>.json    python -m ocformer.evaluate --json (``trained.json``:
+                                   the trained discretisation)
+    DIR/cache/jax/                 JAX's persistent compilation cache, shared by points
+    DIR/results.csv, results.md, plots/
+
+A point's status file is written (atomically) only by the process running it; a
+point is finished when its status is ``done`` and every evaluation it asks for exists,
+so re-running a sweep skips it, and a point left ``running`` by a killed sweep resumes
+from its checkpoint (``ocformer.train`` does that on its own).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from ..checkpointing import atomic_write_text
+from ._spec import SweepError
+
+STATUS_FILE = "sweep_point.json"
+TRAINED = "trained"  # the evaluation under the trained discretisation
+
+_COMPILE_LINE = re.compile(
+    r"^Finished (?:tracing|jaxpr to MLIR module conversion|XLA compilation) .* in "
+    r"([0-9.eE+-]+) sec"
+)
+_LOG_NOISE = ("Finished ", "Compiling ", "Persistent compilation cache", "Not writing persistent")
+
+# Processes started by this sweep, so that an interrupted sweep can stop them cleanly.
+_children: set[subprocess.Popen] = set()
+_children_lock = threading.Lock()
+
+
+def point_dir(sweep_dir: str, name: str) -> str:
+    return os.path.join(sweep_dir, "points", name)
+
+
+def run_dir(sweep_dir: str, name: str) -> str:
+    """The point's training work directory."""
+    return os.path.join(point_dir(sweep_dir, name), "run")
+
+
+def read_status(path: str) -> dict:
+    file = os.path.join(path, STATUS_FILE)
+    if not os.path.isfile(file):
+        return {}
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _write_status(path: str, status: dict) -> None:
+    atomic_write_text(os.path.join(path, STATUS_FILE), json.dumps(status, indent=2) + "\n")
+
+
+def evaluation_file(path: str, name: str) -> str:
+    return os.path.join(path, "evaluations", f"{name}.json")
+
+
+def is_finished(sweep_dir: str, point: dict) -> bool:
+    """Trained, and evaluated under every discretisation the point asks for."""
+    path = point_dir(sweep_dir, point["name"])
+    if read_status(path).get("status") != "done":
+        return False
+    names = [TRAINED, *(e["name"] for e in point["evaluations"])]
+    return all(os.path.isfile(evaluation_file(path, n)) for n in names)
+
+
+def child_env(sweep_dir: str) -> dict:
+    """The environment of a point's processes: JAX's persistent compilation cache under
+    the sweep directory (unless the user chose one), every compilation cached, and
+    compilations logged so their time can be read back."""
+    env = dict(os.environ)
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(sweep_dir, "cache", "jax"))
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["JAX_LOG_COMPILES"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run_logged(command: list[str], log_path: str, env: dict) -> dict:
+    """Run ``command`` with its output appended to ``log_path``.
+
+    Returns:
+        ``exit_code`` (negative: killed by that signal), ``wall_time_s``,
+        ``peak_rss_mb``, ``compile_time_s`` and ``cache_hits`` read from the JAX
+        compilation log, and ``error`` (the last meaningful output line on failure).
+    """
+    started = time.perf_counter()
+    with open(log_path, "ab") as log:
+        offset = log.tell()
+        log.write(("$ " + " ".join(command) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with _children_lock:
+            _children.add(proc)
+        try:
+            # wait4 gives this child's own resource usage (peak RSS), unlike
+            # getrusage(RUSAGE_CHILDREN), which is the maximum over all children.
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        finally:
+            with _children_lock:
+                _children.discard(proc)
+    wall = time.perf_counter() - started
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        f.seek(offset)
+        lines = f.read().splitlines()[1:]
+    compile_s = sum(float(m.group(1)) for m in map(_COMPILE_LINE.match, lines) if m)
+    hits = sum(1 for line in lines if line.startswith("Persistent compilation cache hit"))
+    out = {
+        "exit_code": proc.returncode,
+        "wall_time_s": wall,
+        "peak_rss_mb": usage.ru_maxrss / 1024.0,  # Linux reports KiB
+        "compile_time_s": compile_s,
+        "cache_hits": hits,
+        "error": None,
+    }
+    if proc.returncode != 0:
+        meaningful = [s for s in lines if s.strip() and not s.startswith(_LOG_NOISE)]
+        errors = [s for s in meaningful if "error" in s.lower()]
+        line = errors[-1] if errors else (meaningful[-1] if meaningful else "")
+        if proc.returncode < 0:
+            name = signal.Signals(-proc.returncode).name
+            line = f"killed by {name}" + (f"; last output: {line}" if line else "")
+        out["error"] = line.strip()
+    return out
+
+
+def run_point(sweep_dir: str, point: dict) -> dict:
+    """Train one point (resuming it if interrupted) and evaluate it; returns its status.
+
+    ``point`` is its entry in ``sweep.json``. The training process is exactly
+    ``python -m ocformer.train --config SPEC --workdir POINT_DIR --set ...``.
+    """
+    path = point_dir(sweep_dir, point["name"])
+    os.makedirs(os.path.join(path, "evaluations"), exist_ok=True)
+    env = child_env(sweep_dir)
+    status = read_status(path)
+    if status.get("status") != "done":
+        previous = status
+        status = {
+            "name": point["name"],
+            "status": "running",
+            "attempts": previous.get("attempts", 0) + 1,
+            "host": os.uname().nodename,
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        _write_status(path, status)
+        command = [
+            sys.executable,
+            "-m",
+            "ocformer.train",
+            "--config",
+            point["spec"],
+            "--workdir",
+            run_dir(sweep_dir, point["name"]),
+        ]
+        for s in point["sets"]:
+            command += ["--set", s]
+        result = _run_logged(command, os.path.join(path, "train.log"), env)
+        # Times accumulate over attempts (an interrupted point resumes); peak RSS is
+        # the largest of them.
+        for key in ("wall_time_s", "compile_time_s", "cache_hits"):
+            result[key] += previous.get(key) or 0
+        result["peak_rss_mb"] = max(result["peak_rss_mb"], previous.get("peak_rss_mb") or 0)
+        status.update(result)
+        status["status"] = "done" if result["exit_code"] == 0 else "failed"
+        status["command"] = command
+        _write_status(path, status)
+        if status["status"] != "done":
+            return status
+    evaluations = [{"name": TRAINED, "sets": []}, *point["evaluations"]]
+    for e in evaluations:
+        out = evaluation_file(path, e["name"])
+        if os.path.isfile(out):
+            continue
+        command = [
+            sys.executable,
+            "-m",
+            "ocformer.evaluate",
+            run_dir(sweep_dir, point["name"]),
+            "--json",
+            out,
+        ]
+        for s in e["sets"]:
+            command += ["--set", s]
+        result = _run_logged(command, os.path.join(path, "evaluate.log"), env)
+        if result["exit_code"] != 0:
+            failures = status.setdefault("evaluation_failures", {})
+            failures[e["name"]] = {"exit_code": result["exit_code"], "error": result["error"]}
+            # A failed evaluation is recorded as such, so that the point counts as
+            # finished and its row says why.
+            atomic_write_text(
+                out,
+                json.dumps(
+                    {"status": "failed", "exit_code": result["exit_code"], "error": result["error"]}
+                )
+                + "\n",
+            )
+        _write_status(path, status)
+    return status
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+class Progress:
+    """The progress line: points done / running / failed, and an ETA from the mean
+    time of the points finished so far."""
+
+    def __init__(self, total: int, parallel: int, skipped: int, stream):
+        self.total, self.parallel, self.stream = total, parallel, stream
+        self.done, self.failed, self.running, self.skipped = skipped, 0, 0, skipped
+        self.times: list[float] = []
+        self.started = time.perf_counter()
+        self.lock = threading.Lock()
+        self.last = ""
+
+    def line(self) -> str:
+        left = self.total - self.done - self.failed
+        eta = "?"
+        if self.times:
+            per_point = sum(self.times) / len(self.times)
+            waiting = max(left - self.running, 0)
+            eta = _fmt_time(per_point * (waiting / self.parallel + (1 if self.running else 0)))
+        elif left == 0:
+            eta = "0s"
+        return (
+            f"sweep: {self.done}/{self.total} done, {self.running} running, "
+            f"{self.failed} failed, ETA {eta} (elapsed "
+            f"{_fmt_time(time.perf_counter() - self.started)})"
+        )
+
+    def show(self, force: bool = False) -> None:
+        with self.lock:
+            text = self.line()
+            if force or text.split(" (elapsed")[0] != self.last.split(" (elapsed")[0]:
+                print(text, file=self.stream, flush=True)
+                self.last = text
+
+    def start(self) -> None:
+        with self.lock:
+            self.running += 1
+        self.show()
+
+    def finish(self, ok: bool, seconds: float) -> None:
+        with self.lock:
+            self.running -= 1
+            if ok:
+                self.done += 1
+            else:
+                self.failed += 1
+            self.times.append(seconds)
+        self.show()
+
+
+def stop_children(grace_s: float = 60.0) -> None:
+    """SIGTERM every running point process (training checkpoints and exits), then
+    SIGKILL whatever is left after ``grace_s``."""
+    with _children_lock:
+        procs = list(_children)
+    for p in procs:
+        if p.returncode is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        while p.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if p.returncode is None:
+            p.kill()
+
+
+def run_local(
+    sweep_dir: str,
+    points: Sequence[dict],
+    parallel: int = 1,
+    stream=None,
+    on_point: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Run the unfinished ``points`` with ``parallel`` local workers.
+
+    A failing point is recorded (exit code, error line) and the others go on.
+
+    Returns:
+        The status of every point run now (finished points are skipped).
+    """
+    if parallel < 1:
+        raise SweepError("--parallel", f"must be >= 1, got {parallel}")
+    stream = sys.stderr if stream is None else stream
+    todo = [p for p in points if not is_finished(sweep_dir, p)]
+    progress = Progress(len(points), parallel, len(points) - len(todo), stream)
+    if not todo:
+        print(f"sweep: all {len(points)} points finished; nothing to run", file=stream)
+        return []
+    progress.show(force=True)
+    results: list[dict] = []
+
+    def work(point: dict) -> dict:
+        progress.start()
+        t = time.perf_counter()
+        status = run_point(sweep_dir, point)
+        progress.finish(status.get("status") == "done", time.perf_counter() - t)
+        if on_point is not None:
+            on_point(status)
+        return status
+
+    pool = ThreadPoolExecutor(max_workers=parallel)
+    futures = [pool.submit(work, p) for p in todo]
+    try:
+        while not all(f.done() for f in futures):
+            time.sleep(0.5)
+            progress.show()
+        results = [f.result() for f in futures]
+    except KeyboardInterrupt:
+        for f in futures:
+            f.cancel()
+        stop_children()
+        pool.shutdown(wait=True)
+        raise
+    pool.shutdown(wait=True)
+    progress.show(force=True)
+    return results

@@ -1,0 +1,150 @@
+"""SLURM job arrays through submitit: one array task per point.
+
+Each task runs ``run_point`` (the same ``python -m ocformer.train`` and
+``python -m ocformer.evaluate`` processes as the local launcher). When SLURM signals a
+timeout or preemption, submitit calls ``PointJob.checkpoint``: the training process
+gets SIGTERM, writes a checkpoint and exits, and the task is requeued with the same
+point, whose training resumes from that checkpoint.
+"""
+
+import dataclasses
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import submitit
+
+from ._run import _children, _children_lock, run_point
+from ._spec import SweepError
+
+SLURM_OPTIONS: tuple[str, ...] = (
+    "partition",
+    "time_min",
+    "cpus",
+    "gpus",
+    "nodes",
+    "array_parallelism",
+)
+"""The SLURM options a sweep file (``Sweep(slurm=...)``) or the flags may set."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmOptions:
+    """Resources of each array task.
+
+    Attributes:
+        partition: the SLURM partition (None: the cluster's default).
+        time_min: wall-clock limit of a task, minutes; a task that reaches it is
+            requeued and resumes from its checkpoint.
+        cpus: CPUs per task.
+        gpus: GPUs per node.
+        nodes: nodes per task.
+        array_parallelism: at most this many tasks of the array run at once.
+    """
+
+    partition: str | None = None
+    time_min: int = 60
+    cpus: int = 2
+    gpus: int = 0
+    nodes: int = 1
+    array_parallelism: int = 16
+
+    def submitit_parameters(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "timeout_min": self.time_min,
+            "cpus_per_task": self.cpus,
+            "nodes": self.nodes,
+            "slurm_array_parallelism": self.array_parallelism,
+            "name": "ocformer-sweep",
+        }
+        if self.gpus:
+            params["gpus_per_node"] = self.gpus
+        if self.partition:
+            params["slurm_partition"] = self.partition
+        return params
+
+
+def slurm_options(defaults: Mapping[str, Any], flags: Mapping[str, Any]) -> SlurmOptions:
+    """The sweep file's ``slurm`` options with the flags that were given on top.
+
+    Raises:
+        SweepError: an unknown option or a value of the wrong type.
+    """
+    merged = {**defaults, **{k: v for k, v in flags.items() if v is not None}}
+    unknown = sorted(set(merged) - set(SLURM_OPTIONS))
+    if unknown:
+        raise SweepError(
+            "slurm", f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(SLURM_OPTIONS)}"
+        )
+    for key, value in merged.items():
+        if key == "partition":
+            if value is not None and not isinstance(value, str):
+                raise SweepError(f"slurm.{key}", f"expected a string, got {value!r}")
+        elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise SweepError(f"slurm.{key}", f"expected an integer >= 0, got {value!r}")
+    return SlurmOptions(**merged)
+
+
+class PointJob(submitit.helpers.Checkpointable):
+    """One array task: run (or resume) a sweep point."""
+
+    def __init__(self, sweep_dir: str):
+        self.sweep_dir = sweep_dir
+
+    def __call__(self, point: dict) -> dict:
+        return run_point(self.sweep_dir, point)
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        # Let the training process checkpoint before the task is requeued; the new task
+        # resumes from that checkpoint.
+        with _children_lock:
+            procs = list(_children)
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while any(p.returncode is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return super().checkpoint(*args, **kwargs)
+
+
+def executor_for(sweep_dir: str, options: SlurmOptions):
+    """A submitit SLURM executor writing its files under ``DIR/slurm``."""
+    ex = submitit.AutoExecutor(folder=os.path.join(sweep_dir, "slurm", "%j"), cluster="slurm")
+    ex.update_parameters(**options.submitit_parameters())
+    return ex
+
+
+def submit(sweep_dir: str, points: Sequence[dict], executor) -> list:
+    """Submit ``points`` as one job array of ``executor`` (SLURM, or submitit's local
+    executor in tests); returns the jobs."""
+    return executor.map_array(PointJob(sweep_dir), list(points))
+
+
+def job_script(sweep_dir: str, num_points: int, options: SlurmOptions) -> str:
+    """The sbatch script ``--launcher slurm`` submits for ``num_points`` points."""
+    # submitit writes exactly this script (its own generator) for a map_array of
+    # num_points calls.
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = os.path.join(sweep_dir, "slurm", "%j")
+    command = " ".join(
+        [shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)]
+    )
+    params: dict[str, Any] = {
+        "job_name": "ocformer-sweep",
+        "time": options.time_min,
+        "nodes": options.nodes,
+        "cpus_per_task": options.cpus,
+        "array_parallelism": options.array_parallelism,
+        "map_count": num_points,
+    }
+    if options.gpus:
+        params["gpus_per_node"] = options.gpus
+    if options.partition:
+        params["partition"] = options.partition
+    return _make_sbatch_string(command=command, folder=folder, **params)

@@ -1,0 +1,289 @@
+"""The work directory: everything a run writes, in one directory that ocformer owns.
+
+A work directory holds the user's results, so nothing in it is overwritten without
+cause. It is ocformer's if it holds the marker ``ocformer_run.json`` (written atomically
+when the directory is claimed); any other directory that is not empty is refused. A
+resumed run must have the configuration stored in ``config.json``; an allowed change is
+recorded in ``config_history.jsonl``, so that the directory keeps describing every step
+of its history.
+"""
+
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+import time
+
+from ..checkpointing import CheckpointManager, atomic_write_text, remove_stale_temporaries
+from ..config import Config, to_dict
+from ._errors import ConfigChanged, WorkdirError
+from ._metrics import MetricsLog, TensorBoard, rewind_samples
+from ._run_info import git_revision, package_versions, platform_info
+
+RUN_MARKER = "ocformer_run.json"
+# Fields that do not change what a run computes: a resumed run may differ in them
+# without --allow-config-change (they are still written to config.json).
+PRESENTATION_FIELDS: frozenset[str] = frozenset({"train.progress", "train.preempt_grace_s"})
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(stored: dict, config: Config) -> dict[str, tuple]:
+    """The dotted fields in which ``config`` differs from the stored configuration
+    ``stored`` (as written to ``config.json``), each as ``(stored, new)``; fields that
+    exist on one side only have ``None`` on the other."""
+    old = _flatten(stored)
+    new = _flatten(json.loads(json.dumps(to_dict(config))))
+    keys = [k for k in new if k in old] + [k for k in new if k not in old]
+    keys += [k for k in old if k not in new]
+    return {
+        k: (old.get(k), new.get(k))
+        for k in keys
+        if old.get(k) != new.get(k) and k not in PRESENTATION_FIELDS
+    }
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("ocformer")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _warn(message: str) -> None:
+    print(f"ocformer: warning: {message}", file=sys.stderr, flush=True)
+
+
+class RunDirectory:
+    """A run's work directory and everything written to it.
+
+    Files: the marker ``ocformer_run.json``, ``config.json`` (the resolved
+    configuration), ``run.json`` (command, versions, revision, platform),
+    ``config_history.jsonl`` (allowed configuration changes), ``metrics.jsonl``,
+    TensorBoard events under ``tb/``, ``samples.txt`` and ``checkpoints/step_<n>/``.
+
+    Use: ``RunDirectory(path)`` checks the path string; ``check(config)`` inspects the
+    directory without changing it; ``start(...)`` claims it, restores the newest
+    checkpoint and prepares the logs; then ``log``, ``sample`` and ``save``; ``close``
+    (or ``with``) flushes and releases everything.
+
+    Raises:
+        WorkdirError: (from ``__init__`` and ``check``) an empty path, a path that is a
+            file, a directory that cannot be created or written, or a directory that
+            is not empty and has no ocformer marker.
+        ConfigChanged: (from ``check``) a run to resume whose configuration differs.
+    """
+
+    def __init__(self, path: str | os.PathLike | None):
+        text = "" if path is None else os.fspath(path)
+        if not str(text).strip():
+            raise WorkdirError(
+                f"the work directory path is empty ({text!r}); give a directory for the "
+                "run's outputs, e.g. --workdir runs/smoke"
+            )
+        self.path = os.path.abspath(text)
+        self.config_path = os.path.join(self.path, "config.json")
+        self.history_path = os.path.join(self.path, "config_history.jsonl")
+        self.samples_path = os.path.join(self.path, "samples.txt")
+        self.tb_path = os.path.join(self.path, "tb")
+        self.metrics = MetricsLog(os.path.join(self.path, "metrics.jsonl"))
+        self.checkpoints: CheckpointManager | None = None
+        self.checkpoint: str | None = None  # the newest committed checkpoint
+        self._tb: TensorBoard | None = None
+        self.stored_config: dict | None = None  # config.json as found by check()
+
+    # -- inspecting (changes nothing) ------------------------------------------------
+
+    def _check_writable(self) -> None:
+        """The directory, or the nearest existing folder above it, can be written."""
+        probe = self.path
+        while not os.path.exists(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        if not os.path.isdir(probe):
+            raise WorkdirError(
+                f"work directory {self.path} cannot be created: {probe} is a file, not a directory"
+            )
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise WorkdirError(
+                f"work directory {self.path} is not writable ({probe} does not allow this "
+                "user to write); choose another --workdir or change its permissions"
+            )
+
+    def check(self, config: Config, *, allow_config_change: bool = False) -> dict[str, tuple]:
+        """Inspect the directory for a run of ``config``; nothing is written.
+
+        Returns:
+            The changed fields (``{dotted: (stored, new)}``) when resuming with an
+            allowed configuration change, else ``{}``.
+        """
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise WorkdirError(
+                f"work directory {self.path} is a file, not a directory; choose another --workdir"
+            )
+        self._check_writable()
+        if not os.path.isdir(self.path):
+            return {}
+        try:
+            names = sorted(os.listdir(self.path))
+        except OSError as e:
+            raise WorkdirError(f"work directory {self.path} cannot be read: {e.strerror}") from None
+        if names and RUN_MARKER not in names:
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            raise WorkdirError(
+                f"work directory {self.path} is not empty and was not written by ocformer "
+                f"(it holds {shown}; no {RUN_MARKER}); refusing to write into it. Use a new "
+                "or empty --workdir"
+            )
+        if not os.path.exists(self.config_path):
+            return {}
+        try:
+            with open(self.config_path, encoding="utf-8") as f:
+                self.stored_config = json.load(f)
+            if not isinstance(self.stored_config, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise WorkdirError(
+                f"{self.config_path} cannot be read ({e}); it describes the run in this "
+                "directory. Restore it, or use a new --workdir"
+            ) from None
+        if CheckpointManager(os.path.join(self.path, "checkpoints")).latest() is None:
+            return {}  # nothing to resume: the new run replaces an empty history
+        changes = config_changes(self.stored_config, config)
+        if changes and not allow_config_change:
+            raise ConfigChanged(self.path, changes)
+        return changes
+
+    # -- writing -------------------------------------------------------------------
+
+    def start(
+        self,
+        config: Config,
+        template,
+        *,
+        keep_checkpoints: int,
+        changes: dict[str, tuple] | None = None,
+        argv: list[str] | None = None,
+    ):
+        """Claim the directory, restore its newest checkpoint into the structure of
+        ``template``, record the run, and rewind the logs to the restored step.
+
+        Returns:
+            ``(step, restored)``: the restored step and tree, or ``(None, None)`` for a
+            fresh run.
+        """
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            if not os.path.exists(os.path.join(self.path, RUN_MARKER)):
+                marker = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ocformer": _version()}
+                atomic_write_text(os.path.join(self.path, RUN_MARKER), json.dumps(marker))
+        except OSError as e:
+            raise WorkdirError(
+                f"work directory {self.path} cannot be created or written: {e.strerror}"
+            ) from None
+        remove_stale_temporaries(self.path)
+        self.checkpoints = CheckpointManager(
+            os.path.join(self.path, "checkpoints"), keep=keep_checkpoints
+        )
+        self.checkpoints.clean()
+        step = self.checkpoints.latest()
+        restored = None
+        if step is not None:
+            restored = self.checkpoints.restore(step, template)  # reads only
+            self.checkpoint = self.checkpoints.path(step)
+        self._record(config, argv, step, changes or {})
+        for warning in self.metrics.repair(step or 0):
+            _warn(warning)
+        rewind_samples(self.samples_path, step or 0)
+        has_events = os.path.isdir(self.tb_path) and bool(os.listdir(self.tb_path))
+        # purge_step hides events logged after the restored step, so curves do not
+        # fold back on resume.
+        self._tb = TensorBoard(self.tb_path, purge_step=(step or 0) + 1 if has_events else None)
+        return step, restored
+
+    def _record(self, config: Config, argv, resumed_from, changes: dict) -> None:
+        resolved = to_dict(config)
+        if changes:
+            entry = {
+                "step": resumed_from,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "changes": {k: list(v) for k, v in changes.items()},
+                "previous": self.stored_config,
+            }
+            history = ""
+            if os.path.exists(self.history_path):
+                with open(self.history_path, encoding="utf-8") as f:
+                    history = f.read()
+            atomic_write_text(self.history_path, history + json.dumps(entry) + "\n")
+        info = {
+            "command": None if argv is None else " ".join(shlex.quote(a) for a in argv),
+            "argv": None if argv is None else list(argv),
+            "cwd": os.getcwd(),
+            "seed": config.train.seed,
+            "resumed_from_step": resumed_from,
+            "config_changes": {k: list(v) for k, v in changes.items()},
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "versions": package_versions(),
+            "git": git_revision(),
+            "platform": platform_info(),
+            "config": resolved,
+        }
+        atomic_write_text(self.config_path, json.dumps(resolved, indent=2))
+        atomic_write_text(os.path.join(self.path, "run.json"), json.dumps(info, indent=2))
+
+    def log(self, step: int, record: dict) -> None:
+        """One line of ``metrics.jsonl`` and its TensorBoard scalars."""
+        self.metrics.append(record)
+        assert self._tb is not None, "RunDirectory.start first"
+        self._tb.scalars(step, record)
+
+    def sample(self, step: int, text: str) -> None:
+        """A text sample, to ``samples.txt`` and TensorBoard."""
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            f.write(f"=== step {step} ===\n{text}\n\n")
+        assert self._tb is not None, "RunDirectory.start first"
+        self._tb.text(step, "sample", text)
+
+    def save(self, step: int, tree, config: Config) -> str:
+        """Commit the checkpoint of ``step``; returns its path."""
+        assert self.checkpoints is not None, "RunDirectory.start first"
+        self.checkpoint = self.checkpoints.save(step, tree, {"config": to_dict(config)})
+        return self.checkpoint
+
+    def outputs(self) -> dict[str, str | None]:
+        """The outputs that exist: ``metrics``, ``tensorboard``, ``checkpoint``,
+        ``samples`` (None for those that do not)."""
+
+        def existing(path):
+            return path if path is not None and os.path.exists(path) else None
+
+        return {
+            "metrics": existing(self.metrics.path),
+            "tensorboard": existing(self.tb_path),
+            "checkpoint": existing(self.checkpoint),
+            "samples": existing(self.samples_path),
+        }
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+
+    def __enter__(self) -> "RunDirectory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

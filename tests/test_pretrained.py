@@ -1,0 +1,363 @@
+"""Hugging Face checkpoints in and out, against ``transformers`` itself.
+
+Tiny GPT-2, BERT and ViT models are built with ``transformers`` (random parameters of
+realistic size: kernels N(0, 1/fan_in), LayerNorm gains near 1, biases of size 0.1),
+saved with ``save_pretrained`` and loaded with ``ocformer.convert.from_pretrained``.
+References are the ``transformers`` models in float64 on CPU. Recovery means a maximum
+relative error below 1e-10 in float64 and 1e-5 in float32 (measured: about 1e-15 and
+3e-7); a round trip HF -> ocformer -> HF (``to_pretrained``, reloaded by
+``transformers``) gives the same outputs to the same bounds.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import (
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    ViTConfig,
+    ViTForImageClassification,
+    ViTModel,
+)
+
+from ocformer.convert import SUPPORTED_MODEL_TYPES, from_pretrained, to_pretrained
+from ocformer.models import refine
+
+F64_TOL = 1e-10
+F32_TOL = 1e-5
+VOCAB, POSITIONS = 37, 16
+
+
+def rel_err(a, ref) -> float:
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(a - ref)) / np.max(np.abs(ref)))
+
+
+def randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Parameters of realistic size; transformers' own init (std 0.02) would make every
+    layer nearly the identity and the comparison weak."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            norm = any(s in name for s in ("LayerNorm", "ln_", "layernorm"))
+            if norm and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * z)
+            elif p.ndim == 1:
+                p.copy_(0.1 * z)
+            elif any(s in name for s in ("embeddings", "wte", "wpe", "cls_token")):
+                p.copy_(z)
+            else:
+                p.copy_(z / np.sqrt(min(p.shape[-2:]) if p.ndim == 2 else np.prod(p.shape[1:])))
+    return model.double().eval()
+
+
+def make_gpt2(seed=0, **kw):
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=POSITIONS, n_embd=24, n_layer=3, n_head=4, **kw
+    )
+    return randomise(GPT2LMHeadModel(config), seed)
+
+
+def make_bert(seed=1, **kw):
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        intermediate_size=40,
+        max_position_embeddings=POSITIONS,
+        **kw,
+    )
+    return randomise(BertModel(config), seed)
+
+
+def make_vit(seed=2, cls=ViTForImageClassification, **kw):
+    config = ViTConfig(
+        image_size=8,
+        patch_size=2,
+        num_channels=kw.pop("num_channels", 1),
+        hidden_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=40,
+        num_labels=10,
+        **kw,
+    )
+    return randomise(cls(config), seed)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One saved checkpoint per family: {name: (path, torch model)}."""
+    root = tmp_path_factory.mktemp("hf")
+    models = {
+        "gpt2": make_gpt2(),
+        "bert": make_bert(),
+        "vit": make_vit(),
+        "vit_pooler": make_vit(seed=3, cls=ViTModel, num_channels=3, qkv_bias=False),
+    }
+    out = {}
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        out[name] = (str(root / name), model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, VOCAB, (3, 11))  # shorter than the 16 positions
+    mask = np.ones((3, 11), bool)
+    mask[1, 7:] = False  # padding at the end of one sequence
+    mask[2, 3] = False  # and a masked key inside another
+    types = rng.integers(0, 2, (3, 11))
+    images = rng.standard_normal((4, 1, 8, 8))
+    rgb = rng.standard_normal((2, 3, 8, 8))
+    return {"ids": ids, "mask": mask, "types": types, "images": images, "rgb": rgb}
+
+
+def _t(x):
+    return torch.tensor(np.asarray(x))
+
+
+def reference(name, model, inputs):
+    """The transformers model's outputs, float64, as a dict of numpy arrays."""
+    with torch.no_grad():
+        if name == "gpt2":
+            masked = model(_t(inputs["ids"]), attention_mask=_t(inputs["mask"].astype(np.int64)))
+            short = model(_t(inputs["ids"][:1, :4]))
+            return {"logits": masked.logits, "short": short.logits}
+        if name == "bert":
+            out = model(
+                _t(inputs["ids"]),
+                attention_mask=_t(inputs["mask"].astype(np.int64)),
+                token_type_ids=_t(inputs["types"]),
+            )
+            plain = model(_t(inputs["ids"][:, :5]))
+            return {
+                "hidden": out.last_hidden_state,
+                "pooled": out.pooler_output,
+                "plain": plain.last_hidden_state,
+            }
+        if name == "vit":
+            return {"logits": model(_t(inputs["images"])).logits}
+        out = model(_t(inputs["rgb"]))
+        return {"hidden": out.last_hidden_state, "pooled": out.pooler_output}
+
+
+def ours(name, model, inputs, only=None):
+    """The same outputs from an ocformer ``PretrainedModel`` (or only one of them)."""
+    if only is not None:
+        return {only: _ours(name, model, inputs)[only]()}
+    return {k: f() for k, f in _ours(name, model, inputs).items()}
+
+
+def _ours(name, model, inputs):
+    if name == "gpt2":
+        return {
+            "logits": lambda: model.logits(inputs["ids"], inputs["mask"]),
+            "short": lambda: model.logits(inputs["ids"][:1, :4]),
+        }
+    if name == "bert":
+        return {
+            "hidden": lambda: model.hidden_states(inputs["ids"], inputs["mask"], inputs["types"]),
+            "pooled": lambda: model.logits(inputs["ids"], inputs["mask"], inputs["types"]),
+            "plain": lambda: model.hidden_states(inputs["ids"][:, :5]),
+        }
+    if name == "vit":
+        return {"logits": lambda: model.logits(inputs["images"].transpose(0, 2, 3, 1))}
+    rgb = inputs["rgb"].transpose(0, 2, 3, 1)
+    return {"hidden": lambda: model.hidden_states(rgb), "pooled": lambda: model.logits(rgb)}
+
+
+def assert_close(name, got, ref, tol):
+    assert set(got) == set(ref)
+    for k in ref:
+        err = rel_err(got[k], ref[k])
+        assert err < tol, f"{name} {k}: relative error {err:.2e} >= {tol:.0e}"
+
+
+FAMILIES = ("gpt2", "bert", "vit", "vit_pooler")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_matches_transformers_float64(saved, inputs, name):
+    path, hf = saved[name]
+    model = from_pretrained(path, dtype=np.float64)
+    assert model.transformer.control.values.attention.wq.dtype == np.float64
+    assert_close(name, ours(name, model, inputs), reference(name, hf, inputs), F64_TOL)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_matches_transformers_float32(saved, inputs, name):
+    path, hf = saved[name]
+    model = from_pretrained(path, dtype=np.float32)
+    main = {"gpt2": "logits", "bert": "hidden", "vit": "logits", "vit_pooler": "hidden"}[name]
+    got = ours(name, model, inputs, only=main)
+    assert all(np.asarray(v).dtype == np.float32 for v in got.values())
+    assert_close(name, got, {main: reference(name, hf, inputs)[main]}, F32_TOL)
+
+
+def test_heads_and_settings(saved):
+    gpt2 = from_pretrained(saved["gpt2"][0])
+    t = gpt2.transformer
+    assert (t.norm, t.attention.causal, t.feedforward.activation) == ("pre", True, "gelu_tanh")
+    bert = from_pretrained(saved["bert"][0])
+    assert (bert.transformer.norm, bert.transformer.feedforward.activation) == ("post", "gelu")
+    assert bert.transformer.layer_norm.eps == 1e-12
+    # The checkpoint's dtype is kept when none is asked for.
+    assert gpt2.embedding.tokens.dtype == np.float64
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_round_trip(saved, inputs, tmp_path, name):
+    path, hf = saved[name]
+    model = from_pretrained(path)
+    to_pretrained(model, tmp_path / "out")
+    cls = type(hf)
+    again = cls.from_pretrained(tmp_path / "out").eval()
+    assert again.dtype == torch.float64
+    assert_close(name, reference(name, again, inputs), reference(name, hf, inputs), F64_TOL)
+    # ... and ocformer reads its own output back to the same model.
+    assert_close(name, ours(name, from_pretrained(tmp_path / "out"), inputs),
+                 ours(name, model, inputs), F64_TOL)  # fmt: skip
+
+
+def _rewrite(src, dst, rename=lambda k: k, extra=None, drop=()):
+    tensors = {rename(k): v for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    tensors = {k: v for k, v in tensors.items() if k not in drop} | (extra or {})
+    os.makedirs(dst, exist_ok=True)
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return config
+
+
+def test_hub_key_spellings(saved, inputs, tmp_path):
+    """Hub checkpoints: GPT-2 without ``transformer.`` and with its causal-mask buffers,
+    BERT with ``bert.`` and LayerNorm gamma/beta, ViT's base model with ``vit.``."""
+    gpt2 = tmp_path / "gpt2"
+    _rewrite(
+        saved["gpt2"][0],
+        gpt2,
+        rename=lambda k: k.removeprefix("transformer."),
+        extra={"h.0.attn.bias": np.tril(np.ones((1, 1, POSITIONS, POSITIONS), np.float32))},
+    )
+    bert = tmp_path / "bert"
+    _rewrite(
+        saved["bert"][0],
+        bert,
+        rename=lambda k: (
+            "bert."
+            + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+                "LayerNorm.bias", "LayerNorm.beta"
+            )
+        ),
+        extra={"bert.embeddings.position_ids": np.arange(POSITIONS)[None]},
+    )
+    vit = tmp_path / "vit"
+    _rewrite(saved["vit_pooler"][0], vit, rename=lambda k: "vit." + k)
+    for name, path in (("gpt2", gpt2), ("bert", bert), ("vit_pooler", vit)):
+        got = ours(name, from_pretrained(path), inputs)
+        assert_close(name, got, reference(name, saved[name][1], inputs), F64_TOL)
+
+
+def test_sharded_checkpoint(saved, inputs, tmp_path):
+    path, hf = saved["bert"]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, tmp_path / file, metadata={"format": "pt"})
+    index = {"weight_map": {k: f for f, part in shards.items() for k in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(Path(path, "config.json").read_text())
+    got = ours("bert", from_pretrained(tmp_path), inputs)
+    assert_close("bert", got, reference("bert", hf, inputs), F64_TOL)
+    os.remove(tmp_path / "b.safetensors")
+    with pytest.raises(ValueError, match=r"shard files that are not in .*b\.safetensors"):
+        from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input: clear errors, raised before anything is built.
+
+
+def test_missing_files(saved, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        from_pretrained(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="has no config.json"):
+        from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(Path(saved["gpt2"][0], "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"neither model.safetensors .*pytorch_model.bin"):
+        from_pretrained(tmp_path)
+
+
+def test_unsupported_model_type(saved, tmp_path):
+    config = _rewrite(saved["gpt2"][0], tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type='llama' is not supported") as e:
+        from_pretrained(tmp_path)
+    assert all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_unsupported_options(saved, tmp_path):
+    config = _rewrite(saved["bert"][0], tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"hidden_act": "silu"}))
+    with pytest.raises(ValueError, match="hidden_act='silu' is not supported"):
+        from_pretrained(tmp_path)
+    kind = {"position_embedding_type": "relative_key"}
+    (tmp_path / "config.json").write_text(json.dumps(config | kind))
+    with pytest.raises(ValueError, match="position_embedding_type='relative_key'"):
+        from_pretrained(tmp_path)
+
+
+def test_missing_and_extra_tensors(saved, tmp_path):
+    _rewrite(saved["gpt2"][0], tmp_path / "missing", drop={"transformer.h.1.mlp.c_fc.bias"})
+    with pytest.raises(ValueError, match=r"missing tensors \['h\.1\.mlp\.c_fc\.bias'\]"):
+        from_pretrained(tmp_path / "missing")
+    extra = {"cls.predictions.bias": np.zeros(VOCAB, np.float64)}
+    _rewrite(saved["bert"][0], tmp_path / "extra", extra=extra)
+    with pytest.raises(ValueError, match=r"unexpected tensors \['cls\.predictions\.bias'\]"):
+        from_pretrained(tmp_path / "extra")
+    # A head with part of its tensors is missing the rest.
+    _rewrite(saved["vit"][0], tmp_path / "head", drop={"classifier.bias"})
+    with pytest.raises(ValueError, match=r"missing tensors \['classifier\.bias'\]"):
+        from_pretrained(tmp_path / "head")
+    # The same parameter with and without the prefix.
+    twice = {"wte.weight": np.zeros((VOCAB, 24))}
+    _rewrite(saved["gpt2"][0], tmp_path / "twice", extra=twice)
+    with pytest.raises(ValueError, match="spelt twice"):
+        from_pretrained(tmp_path / "twice")
+
+
+def test_shapes_disagree_with_config(saved, tmp_path):
+    config = _rewrite(saved["gpt2"][0], tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"n_inner": 64}))
+    with pytest.raises(
+        ValueError,
+        match=r"'transformer\.h\.0\.mlp\.c_fc\.weight' has shape \(24, 96\), but config\.json "
+        r"implies \(24, 64\)",
+    ):
+        from_pretrained(tmp_path)
+
+
+def test_to_pretrained_refuses_other_discretisations(saved, tmp_path):
+    model = from_pretrained(saved["gpt2"][0])
+    fine = model.with_transformer(refine(model.transformer, 2))
+    with pytest.raises(ValueError, match="steps_per_layer 2"):
+        to_pretrained(fine, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")  # nothing written
+    with pytest.raises(ValueError, match="takes an ocformer.models.PretrainedModel"):
+        to_pretrained(model.transformer, tmp_path / "out")

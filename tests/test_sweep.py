@@ -1,0 +1,515 @@
+"""Sweeps: points resolve exactly as ``ocformer.train`` resolves a command line, bad
+sweeps are refused before anything runs (naming file, point and field), a sweep
+writes one row per point and seed, reruns run nothing, failures are recorded and the
+sweep goes on, results aggregate over seeds, SLURM job arrays."""
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from ocformer.config import resolve, to_dict
+from ocformer.sweep import main as sweep_main
+from ocformer.sweeping import (
+    Sweep,
+    SweepError,
+    axis,
+    load_sweep,
+    plan,
+    report,
+    resolve_points,
+    run_sweep,
+    slurm_options,
+)
+from ocformer.sweeping._run import _run_logged, read_status
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE_SWEEP = os.path.join(ROOT, "experiments", "sweeps", "smoke.py")
+SMOKE_EXPERIMENT = os.path.join(ROOT, "experiments", "smoke.py")
+# The discretisation field the smoke sweep evaluates at (see experiments/sweeps/smoke.py).
+STEPS_PER_LAYER = "discretisation.steps_per_layer"
+
+
+def write_sweep(folder, name: str, body: str) -> str:
+    """A sweep file ``folder/name.py`` over the smoke experiment."""
+    path = os.path.join(folder, f"{name}.py")
+    head = "from ocformer.sweeping import Sweep, axis, zipped\n"
+    head += f"EXPERIMENT = {SMOKE_EXPERIMENT!r}\n\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + textwrap.dedent(body))
+    return path
+
+
+def read_csv(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One persistent compilation cache for every sweep of this module (what a user's
+    cache would be), so repeated shapes are compiled once."""
+    folder = str(tmp_path_factory.mktemp("jax_cache"))
+    old = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    yield folder
+    if old is None:
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR")
+    else:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = old
+
+
+# -- points ------------------------------------------------------------------------
+
+
+def test_points_resolve_as_the_train_command_line():
+    sweep, path, arg = load_sweep(SMOKE_SWEEP)
+    spec, points = resolve_points(sweep, path)
+    assert spec == SMOKE_EXPERIMENT and arg is None
+    assert [p.labels for p in points] == [
+        {"layers": "1", "seed": "0"},
+        {"layers": "2", "seed": "0"},
+    ]
+    for p, layers in zip(points, [1, 2]):
+        # The point's config is the one `python -m ocformer.train --config SPEC --set ...`
+        # resolves from the same texts.
+        assert p.config == to_dict(resolve(spec, list(p.sets)))
+        assert p.config["model"]["num_layers"] == layers and p.config["train"]["steps"] == 4
+        assert p.name.startswith(f"layers={layers}_seed=0-")
+        [e] = p.evaluations
+        assert e.settings == {STEPS_PER_LAYER: 2} and e.sets == (f"{STEPS_PER_LAYER}=2",)
+    assert points[0].name != points[1].name
+
+
+def test_product_zip_seeds_and_only(tmp_path):
+    path = write_sweep(
+        tmp_path,
+        "grid",
+        """
+        def get_sweep(arg=None):
+            return Sweep(
+                experiment=EXPERIMENT,
+                axes=[
+                    axis("model.num_layers", [1, 2], name="L"),
+                    zipped(
+                        "opt",
+                        {"optimiser.learning_rate": [1e-3, 3e-3], "optimiser.warmup_steps": [0, 5]},
+                        labels=["slow", "fast"],
+                    ),
+                ],
+                seeds=(0, 1),
+            )
+        """,
+    )
+    sweep, path, _ = load_sweep(path)
+    _, points = resolve_points(sweep, path)
+    assert len(points) == 2 * 2 * 2
+    assert points[3].labels == {"L": "1", "opt": "fast", "seed": "1"}
+    assert points[3].config["optimiser"]["learning_rate"] == 3e-3
+    assert points[3].config["optimiser"]["warmup_steps"] == 5
+    assert points[3].config["train"]["seed"] == 1
+    assert len({p.name for p in points}) == 8
+    _, three = resolve_points(sweep, path, seeds=3)
+    assert sorted({p.seed for p in three}) == [0, 1, 2] and len(three) == 12
+    _, only = resolve_points(sweep, path, only=["opt=slow", "model.num_layers=2"])
+    assert [p.labels for p in only] == [
+        {"L": "2", "opt": "slow", "seed": "0"},
+        {"L": "2", "opt": "slow", "seed": "1"},
+    ]
+    # Point names depend on the point only: adding a value keeps the others' names (so
+    # their finished runs are reused).
+    grown = Sweep(experiment=sweep.experiment, axes=[sweep.axes[0]])
+    more = Sweep(
+        experiment=sweep.experiment,
+        axes=[axis("model.num_layers", [1, 2, 3], name="L")],
+    )
+    old = {p.name for p in resolve_points(grown, path)[1]}
+    new = {p.name for p in resolve_points(more, path)[1]}
+    assert old < new and len(new - old) == 1
+
+
+# -- bad input -----------------------------------------------------------------------
+
+
+def _refused(tmp_path, body: str, name: str = "bad") -> str:
+    path = write_sweep(tmp_path, name, body)
+    with pytest.raises(SweepError) as e:
+        plan(path, workdir=str(tmp_path / "out"), build=False)
+    assert not os.path.exists(tmp_path / "out")
+    return str(e.value)
+
+
+def test_sweep_file_that_fails_to_import(tmp_path):
+    msg = _refused(tmp_path, "import numpy\nraise RuntimeError('broken on purpose')\n")
+    assert str(tmp_path / "bad.py") in msg
+    assert "failed to import: RuntimeError: broken on purpose" in msg and "bad.py:5)" in msg
+    msg = _refused(tmp_path, "X = 1\n", name="nothing")
+    assert "nothing.py: defines no get_sweep" in msg
+
+
+def test_axis_over_unknown_field(tmp_path):
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layer", [1, 2])])
+        """,
+    )
+    assert "training axis 'num_layer'" in msg and "unknown field model.num_layer" in msg
+    assert "did you mean model.num_layers" in msg
+
+
+def test_axis_value_of_the_wrong_type(tmp_path):
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layers", [2, 2.5])])
+        """,
+    )
+    assert "axis 'num_layers', value '2.5'" in msg
+    assert "model.num_layers: expected an int, got '2.5'" in msg
+
+
+def test_empty_axis(tmp_path):
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layers", [])])
+        """,
+    )
+    assert "bad.py" in msg and "axis 'num_layers': has no values" in msg
+
+
+def test_invalid_point_is_named_with_its_field(tmp_path, capsys):
+    path = write_sweep(
+        tmp_path,
+        "heads",
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_heads", [2, 3], name="h")])
+        """,
+    )
+    # Exit 2 before anything runs or is written, naming the point and the field.
+    assert sweep_main([path, "--workdir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "point h=3_seed=0: model.num_heads" in err and "width" in err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_evaluation_axis_must_be_a_discretisation_field(tmp_path):
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, evaluate=[axis("model.width", [8])])
+        """,
+    )
+    assert "evaluation axis 'width'" in msg
+    assert "model.width: evaluation may change only the discretisation" in msg
+
+
+def test_workdir_holding_another_sweep_or_other_files(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"id": "solvers"}))
+    with pytest.raises(SweepError, match=r"holds the results of sweep 'solvers', not 'smoke'"):
+        plan(SMOKE_SWEEP, workdir=str(out), build=False)
+    other = tmp_path / "run"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text("")
+    with pytest.raises(SweepError, match=r"is not a sweep directory \(it holds metrics.jsonl\)"):
+        plan(SMOKE_SWEEP, workdir=str(other), build=False)
+
+
+def test_slurm_options_are_checked():
+    assert slurm_options({"time_min": 10}, {"cpus": 4, "time_min": None}).time_min == 10
+    assert slurm_options({"time_min": 10}, {"time_min": 30}).time_min == 30
+    with pytest.raises(SweepError, match=r"unknown option\(s\) gpu; allowed: partition"):
+        slurm_options({"gpu": 1}, {})
+    with pytest.raises(SweepError, match=r"slurm.cpus: expected an integer >= 0, got 'x'"):
+        slurm_options({"cpus": "x"}, {})
+
+
+# -- process bookkeeping -------------------------------------------------------------
+
+
+def test_process_record_reads_compile_time_error_line_and_rss(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys
+        print("Finished tracing f for jit in 0.25 sec", file=sys.stderr)
+        print("Finished jaxpr to MLIR module conversion jit(f) in 0.5 sec", file=sys.stderr)
+        print("Persistent compilation cache hit for 'jit_f' with key 'k'", file=sys.stderr)
+        print("Finished XLA compilation of jit(f) in 1.125 sec", file=sys.stderr)
+        print("ocformer.train: error: NonFiniteError: non-finite loss at step 3")
+        print("Finished XLA compilation of jit(g) in 2 sec", file=sys.stderr)
+        x = bytearray(200 * 2**20)
+        sys.exit(4)
+        """
+    )
+    log = str(tmp_path / "log")
+    r = _run_logged([sys.executable, "-c", script], log, dict(os.environ))
+    assert r["exit_code"] == 4
+    assert r["compile_time_s"] == 0.25 + 0.5 + 1.125 + 2
+    assert r["cache_hits"] == 1
+    assert r["error"] == "ocformer.train: error: NonFiniteError: non-finite loss at step 3"
+    assert 200 < r["peak_rss_mb"] < 400
+    killed = _run_logged(
+        [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+        log,
+        dict(os.environ),
+    )
+    assert killed["exit_code"] == -9 and killed["error"] == "killed by SIGKILL"
+
+
+def _fake_point(sweep_dir, point, val_losses, accs, status="done"):
+    folder = os.path.join(sweep_dir, "points", point["name"])
+    os.makedirs(os.path.join(folder, "run"))
+    os.makedirs(os.path.join(folder, "evaluations"))
+    with open(os.path.join(folder, "run", "metrics.jsonl"), "w") as f:
+        for i, (v, a) in enumerate(zip(val_losses, accs)):
+            f.write(
+                json.dumps(
+                    {"step": i + 1, "steps_per_s": 10.0 * (i + 1), "val_loss": v, "val_accuracy": a}
+                )
+                + "\n"
+            )
+    with open(os.path.join(folder, "sweep_point.json"), "w") as f:
+        json.dump(
+            {
+                "status": status,
+                "exit_code": 0 if status == "done" else 4,
+                "wall_time_s": 2.0,
+                "compile_time_s": 1.0,
+                "peak_rss_mb": 100.0,
+            },
+            f,
+        )
+    with open(os.path.join(folder, "evaluations", "trained.json"), "w") as f:
+        json.dump(
+            {
+                "val_loss": val_losses[-1],
+                "solver_steps": 2,
+                "accepted_steps": 2,
+                "rejected_steps": 0,
+                "nfe": 4,
+            },
+            f,
+        )
+
+
+def test_report_aggregates_over_seeds(tmp_path):
+    """results.csv from point directories, then mean and (population) std over seeds,
+    checked against numpy; a failed seed is excluded from the mean and counted."""
+    sweep_dir = str(tmp_path)
+    points = []
+    for layers in (1, 2):
+        for seed in (0, 1, 2):
+            points.append(
+                {
+                    "name": f"L={layers}_seed={seed}-h",
+                    "evaluations": [],
+                    "settings": {"model.num_layers": layers, "train.seed": seed},
+                    "config": {},
+                }
+            )
+    info = {
+        "name": "fake",
+        "command": "c",
+        "train_fields": ["model.num_layers", "train.seed"],
+        "eval_fields": [],
+        "seed_field": "train.seed",
+        "num_seeds": 3,
+        "points": points,
+    }
+    with open(os.path.join(sweep_dir, "sweep.json"), "w") as f:
+        json.dump(info, f)
+    finals = {}
+    for i, p in enumerate(points):
+        curve = [2.0 - 0.1 * i, 1.5 - 0.1 * i, 1.6 - 0.1 * i]
+        failed = p["name"].startswith("L=2_seed=2")
+        _fake_point(sweep_dir, p, curve, [0.1, 0.2, 0.3], "failed" if failed else "done")
+        finals[p["name"]] = curve
+    out = report(sweep_dir)
+    table = read_csv(tmp_path / "results.csv")
+    assert len(table) == 6
+    row = table[1]
+    assert row["point"] == "L=1_seed=1-h" and row["status"] == "done"
+    assert float(row["final_val_loss"]) == 1.5 and float(row["best_val_loss"]) == 1.4
+    assert float(row["best_val_accuracy"]) == 0.3 and float(row["nfe"]) == 4
+    # Steps/s: median of the windows after the first (which holds the compilation).
+    assert float(row["train_steps_per_s"]) == 25.0
+    g1, g2 = out["groups"]
+    want = [finals[f"L=1_seed={s}-h"][-1] for s in range(3)]
+    assert g1["n"] == 3 and g1["final_val_loss"][:2] == pytest.approx(
+        (np.mean(want), np.std(want)), abs=1e-15
+    )
+    assert g2["n"] == 2 and g2["failed"] == 1
+    md = (tmp_path / "results.md").read_text()
+    assert "| 2 | 2 (1 failed) |" in md and " +- " in md
+    assert {os.path.basename(p) for p in out["plots"]} >= {
+        "final_val_loss_vs_model_num_layers.png",
+        "nfe_vs_model_num_layers.png",
+    }
+
+
+# -- running -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smoke_sweep_runs_skips_and_grows(tmp_path, compile_cache, capsys):
+    """The shipped smoke sweep: first one point (--only), then the whole sweep adds
+    only the other one, then a rerun runs nothing."""
+    out = tmp_path / "smoke"
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(out), "--only", "layers=1"]) == 0
+    table = read_csv(out / "results.csv")
+    assert [(r["model.num_layers"], r["evaluation"], r["status"]) for r in table][:2] == [
+        ("1", "trained", "done"),
+        ("1", table[1]["evaluation"], "done"),
+    ]
+    assert table[2]["status"] == table[3]["status"] == "pending"
+    first = read_status(out / "points" / table[0]["point"])
+
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(out), "--parallel", "2"]) == 0
+    assert read_status(out / "points" / table[0]["point"]) == first  # not run again
+    table = read_csv(out / "results.csv")
+    assert len(table) == 4 and {r["status"] for r in table} == {"done"}
+    info = json.loads((out / "sweep.json").read_text())
+    assert info["id"] == "smoke" and len(info["points"]) == 2 and info["git"]["revision"]
+    for layers in (1, 2):
+        trained, finer = [r for r in table if r["model.num_layers"] == str(layers)]
+        run = out / "points" / trained["point"] / "run"
+        records = [json.loads(s) for s in (run / "metrics.jsonl").read_text().splitlines()]
+        # The evaluation after training reproduces the loop's last validation loss (same
+        # model, same validation batches) and counts diffrax's steps: one per layer,
+        # two per layer when re-discretised with 2 steps per layer.
+        assert float(trained["final_val_loss"]) == records[-1]["val_loss"]
+        evaluated = json.loads(
+            (out / "points" / trained["point"] / "evaluations" / "trained.json").read_text()
+        )
+        assert evaluated["val_loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-6)
+        assert int(trained["solver_steps"]) == layers and int(trained["rejected_steps"]) == 0
+        assert finer[f"eval.{STEPS_PER_LAYER}"] == "2" and int(finer["solver_steps"]) == 2 * layers
+        assert float(finer["final_val_loss"]) != float(trained["final_val_loss"])
+        assert math.isfinite(float(finer["final_val_loss"]))
+        assert float(trained["compile_time_s"]) > 0 and float(trained["peak_rss_mb"]) > 100
+        assert float(trained["train_steps_per_s"]) > 0 and float(trained["wall_time_s"]) > 0
+    assert os.listdir(compile_cache)  # the points' compilations were cached
+    assert (out / "plots" / "final_val_loss_vs_model_num_layers.png").is_file()
+
+    capsys.readouterr()
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(out)]) == 0
+    assert "all 2 points finished; nothing to run" in capsys.readouterr().err
+
+    # report rebuilds the same table without running anything.
+    before = (out / "results.csv").read_text()
+    (out / "results.csv").unlink()
+    assert sweep_main(["report", str(out)]) == 0
+    assert (out / "results.csv").read_text() == before
+
+
+@pytest.mark.slow
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path, compile_cache, capsys):
+    path = write_sweep(
+        tmp_path,
+        "mixed",
+        """
+        def get_sweep(arg=None):
+            # A learning rate of 1e30 overflows the parameters: training aborts with
+            # NonFiniteError (exit 4) after the warmup's first non-zero update.
+            return Sweep(
+                experiment=EXPERIMENT,
+                overrides={"train.steps": 4, "train.eval_every": 4, "task.eval_batches": 1},
+                axes=[axis("optimiser.learning_rate", [3e-3, 1e30], name="lr")],
+            )
+        """,
+    )
+    out = tmp_path / "out"
+    assert sweep_main([path, "--workdir", str(out), "--parallel", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "sweep: 1 failed:" in err
+    assert "lr=1e+30_seed=0-" in err and "exit code 4" in err and "NonFiniteError" in err
+    good, bad = read_csv(out / "results.csv")
+    assert good["status"] == "done" and math.isfinite(float(good["final_val_loss"]))
+    assert bad["status"] == "failed" and bad["exit_code"] == "4"
+    assert "non-finite" in bad["error"]
+
+
+def test_slurm_dry_run_prints_the_job_array_script(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = sweep_main(
+        [
+            SMOKE_SWEEP,
+            "--workdir",
+            str(out),
+            "--launcher",
+            "slurm",
+            "--dry-run",
+            "--partition",
+            "gpu",
+            "--gpus",
+            "1",
+            "--array-parallelism",
+            "1",
+        ]
+    )
+    assert code == 0 and not out.exists()
+    text = capsys.readouterr().out
+    assert "2 points, 2 selected, 2 to run" in text
+    script = text.split("--- job script (one array task per point) ---\n", 1)[1]
+    assert script.startswith("#!/bin/bash")
+    for line in (
+        "#SBATCH --array=0-1%1",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus-per-node=1",
+        "#SBATCH --cpus-per-task=2",  # from the sweep file
+        "#SBATCH --time=10",  # from the sweep file
+        "#SBATCH --signal=USR2@90",  # timeout/preemption: checkpoint and requeue
+    ):
+        assert line in script
+    assert "-m submitit.core._submit" in script
+
+
+@pytest.mark.slow
+def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache):
+    """The job-array path with real subprocesses: submitit's local executor runs each
+    array task as SLURM would (the pickled PointJob)."""
+    import submitit
+
+    path = write_sweep(
+        tmp_path,
+        "one",
+        """
+        def get_sweep(arg=None):
+            return Sweep(
+                experiment=EXPERIMENT,
+                overrides={"train.steps": 2, "train.eval_every": 2, "task.eval_batches": 1},
+                axes=[axis("model.num_layers", [1], name="layers")],
+            )
+        """,
+    )
+    out = tmp_path / "out"
+    executor = submitit.LocalExecutor(folder=str(tmp_path / "submitit"))
+    executor.update_parameters(timeout_min=20)
+    stream = io.StringIO()
+    code = run_sweep(path, str(out), launcher="slurm", executor=executor, wait=True, stream=stream)
+    assert code == 0 and "submitted 1 array tasks" in stream.getvalue()
+    [row] = read_csv(out / "results.csv")
+    assert row["status"] == "done" and row["step"] == "2" and int(row["solver_steps"]) == 1
+
+
+def test_point_job_requeues_itself_with_the_same_point():
+    from ocformer.sweeping import PointJob
+
+    job = PointJob("/some/sweep")
+    point = {"name": "p"}
+    delayed = job.checkpoint(point)
+    assert delayed.function is job and delayed.args == (point,)
