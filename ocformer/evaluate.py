@@ -27,7 +27,10 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="SECTION.FIELD=VALUE",
-        help="change one discretisation field (repeatable), e.g. --set discretisation.steps_per_layer=4",
+        help=(
+            "change one discretisation field (repeatable), e.g. "
+            "--set discretisation.steps_per_layer=4"
+        ),
     )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result here")

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _layers import random_stack
 
 from ocformer.controls import NormParams
 from ocformer.convert import from_layers
@@ -23,22 +24,7 @@ ZERO_VARIANCE = "zero variance"
 
 
 def _layers(num_layers=2, d=6, d_ff=10, *, scalar_norm=False):
-    rng = np.random.default_rng(0)
-    ln = () if scalar_norm else (d,)
-
-    def layer():
-        return {
-            "wq": rng.standard_normal((d, d)), "wk": rng.standard_normal((d, d)),
-            "wv": rng.standard_normal((d, d)), "wo": rng.standard_normal((d, d)),
-            "bq": rng.standard_normal(d), "bk": rng.standard_normal(d),
-            "bv": rng.standard_normal(d), "bo": rng.standard_normal(d),
-            "w1": rng.standard_normal((d, d_ff)), "b1": rng.standard_normal(d_ff),
-            "w2": rng.standard_normal((d_ff, d)), "b2": rng.standard_normal(d),
-            "ln1_scale": np.ones(ln), "ln1_bias": np.zeros(ln),
-            "ln2_scale": np.ones(ln), "ln2_bias": np.zeros(ln),
-        }  # fmt: skip
-
-    return [layer() for _ in range(num_layers)]
+    return random_stack(0, num_layers, d, d_ff, scalar_norm=scalar_norm)
 
 
 # ---------------------------------------------------------------------------------------

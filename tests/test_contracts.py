@@ -19,42 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _layers import random_stack
 
 from ocformer.convert import from_layers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _layers(seed, num_layers=3, d=8, d_ff=12, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-
-    def k(din, dout):
-        return (rng.standard_normal((din, dout)) / np.sqrt(din)).astype(dtype)
-
-    def v(n, loc=0.0):
-        return (loc + 0.1 * rng.standard_normal(n)).astype(dtype)
-
-    return [
-        {
-            "wq": k(d, d),
-            "wk": k(d, d),
-            "wv": k(d, d),
-            "wo": k(d, d),
-            "bq": v(d),
-            "bk": v(d),
-            "bv": v(d),
-            "bo": v(d),
-            "w1": k(d, d_ff),
-            "b1": v(d_ff),
-            "w2": k(d_ff, d),
-            "b2": v(d),
-            "ln1_scale": v(d, 1.0),
-            "ln1_bias": v(d),
-            "ln2_scale": v(d, 1.0),
-            "ln2_bias": v(d),
-        }  # fmt: skip
-        for _ in range(num_layers)
-    ]
+def _layers(seed, dtype=np.float64):
+    return random_stack(seed, 3, 8, 12, dtype=dtype)
 
 
 def _final(d=8, dtype=np.float64):

@@ -1,5 +1,6 @@
 """Controls as functions of time: values, derivatives, construction, and refinement."""
 
+import diffrax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -17,8 +18,6 @@ from ocformer.controls import (
     init_stacked_params,
     make_control,
 )
-import diffrax
-
 from ocformer.models import ContinuousTransformer, rediscretise, refine
 from ocformer.splitting import Strang
 

@@ -18,8 +18,8 @@ from ocformer.controls import PiecewiseConstant, init_stacked_params
 from ocformer.integration import (
     GRADIENT_METHODS,
     BackwardGrid,
-    Discretisation,
     Direct,
+    Discretisation,
     DiscretiseThenOptimise,
     OptimiseThenDiscretise,
 )
@@ -47,9 +47,7 @@ def build(norm="post", stepper=None, steps_per_layer=1, gradient=None):
         num_heads=2,
         causal=True,
         ln_eps=1e-5 if norm == "pre" else 0.0,
-        discretisation=Discretisation(
-            stepper, steps_per_layer=steps_per_layer, gradient=gradient
-        ),
+        discretisation=Discretisation(stepper, steps_per_layer=steps_per_layer, gradient=gradient),
     )
     embedding = TokenEmbedding(V, N, D, key=k[1], dtype=jnp.float64)
     return SequenceModel(embedding, transformer, Readout(D, V, key=k[2], dtype=jnp.float64))

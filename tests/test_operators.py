@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _layers import random_stack
 
 from ocformer.controls import AttentionParams, FeedForwardParams, NormParams
 from ocformer.convert import from_layers
@@ -215,40 +216,12 @@ def test_attention_is_permutation_equivariant(rng):
     assert np.max(np.abs(moved - np.asarray(causal(p, jnp.asarray(u)))[:, perm])) > 1e-3
 
 
-def _random_layers(rng, num_layers, d, d_ff):
-    def kernel(din, dout):
-        return rng.standard_normal((din, dout)) / np.sqrt(din)
-
-    def vec(n):
-        return 0.1 * rng.standard_normal(n)
-
-    return [
-        {
-            "wq": kernel(d, d),
-            "wk": kernel(d, d),
-            "wv": kernel(d, d),
-            "wo": kernel(d, d),
-            "bq": vec(d),
-            "bk": vec(d),
-            "bv": vec(d),
-            "bo": vec(d),
-            "w1": kernel(d, d_ff),
-            "b1": vec(d_ff),
-            "w2": kernel(d_ff, d),
-            "b2": vec(d),
-            "ln1_scale": 1 + vec(d),
-            "ln1_bias": vec(d),
-            "ln2_scale": 1 + vec(d),
-            "ln2_bias": vec(d),
-        }  # fmt: skip
-        for _ in range(num_layers)
-    ]
-
-
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_model_is_permutation_equivariant(rng, norm):
     d, n = 8, 6
-    model = from_layers(_random_layers(rng, 4, d, 2 * d), norm=norm, num_heads=2)
+    model = from_layers(
+        random_stack(int(rng.integers(1 << 30)), 4, d, 2 * d), norm=norm, num_heads=2
+    )
     u = rng.standard_normal((2, n, d))
     perm = rng.permutation(n)
     out = np.asarray(model(jnp.asarray(u)))
@@ -274,7 +247,7 @@ def test_causal_model_ignores_later_tokens(rng):
     d, n = 8, 7
     final = {"scale": 1 + 0.1 * rng.standard_normal(d), "bias": 0.1 * rng.standard_normal(d)}
     model = from_layers(
-        _random_layers(rng, 4, d, 4 * d),
+        random_stack(int(rng.integers(1 << 30)), 4, d, 4 * d),
         norm="pre",
         num_heads=2,
         causal=True,

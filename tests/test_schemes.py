@@ -1,12 +1,11 @@
 """Splitting schemes at one step per layer against independent numpy implementations."""
 
+import diffrax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 import pytest
-
-import diffrax
 
 from ocformer.controls import PiecewiseConstant, init_stacked_params
 from ocformer.integration import Discretisation

@@ -6,10 +6,10 @@ from ._convergence import (
     convergence_study as convergence_study,
     fitted_slope as fitted_slope,
     format_table as format_table,
-    plot_study as plot_study,
     local_slopes as local_slopes,
-    study_stepper as study_stepper,
+    plot_study as plot_study,
     study_input as study_input,
     study_model as study_model,
+    study_stepper as study_stepper,
 )
 from ._gradients import gradient_comparison as gradient_comparison

@@ -1,7 +1,8 @@
 """The typed, frozen configuration of a training run.
 
 One schema, seven sections: the equation (``model``, ``controls``), its
-``discretisation``, the ``objective``, the ``optimiser``, the ``task`` and the ``train`` loop. Every field carries its allowed values (choices or a range)
+``discretisation``, the ``objective``, the ``optimiser``, the ``task`` and the
+``train`` loop. Every field carries its allowed values (choices or a range)
 as dataclass metadata, so that validation, ``--set`` parsing and the documentation all
 read the same source. Nothing here imports JAX: a bad configuration is rejected before
 anything is traced or allocated.

@@ -5,8 +5,8 @@ import abc
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, Float
 
 from ._params import LayerParams

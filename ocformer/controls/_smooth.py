@@ -10,8 +10,8 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, Float
 
 from ._control import AbstractControl, _leading_sizes

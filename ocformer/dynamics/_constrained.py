@@ -2,8 +2,9 @@ r"""Smooth limits of post-LN dynamics: projected dynamics on $S_1$ and the
 Moreau-Yosida relaxation.
 
 Post-LN has no smooth continuous limit as written: the state is projected onto
-$S_1(\sigma_1, \sigma_2)$ twice per layer. Two honest limits are offered; both use one constraint set, $S_1$ of the ``norm2`` controls (the set a
-post-LN layer's output lies on), since two different sets generally do not intersect.
+$S_1(\sigma_1, \sigma_2)$ twice per layer. Two honest limits are offered; both use one
+constraint set, $S_1$ of the ``norm2`` controls (the set a post-LN layer's output lies
+on), since two different sets generally do not intersect.
 
 Projected dynamics. For $u \in S_1(\sigma_1(t), \sigma_2(t))$ write
 $u = \sigma_1 + \sigma_2 n$ with $\bar n = 0$, $\overline{n^2} = 1$ (bars: means over

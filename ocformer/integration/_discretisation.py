@@ -86,8 +86,7 @@ class Discretisation(eqx.Module):
             raise ValueError(f"steps_per_layer must be a positive integer, got {m!r}.")
         if self.stepsize not in STEPSIZES:
             raise ValueError(
-                f"stepsize must be one of {', '.join(map(repr, STEPSIZES))}, got "
-                f"{self.stepsize!r}."
+                f"stepsize must be one of {', '.join(map(repr, STEPSIZES))}, got {self.stepsize!r}."
             )
         for name in ("rtol", "atol"):
             value = getattr(self, name)

@@ -135,9 +135,7 @@ def backward_grid_controller(
     t0, t1 = control.interval
     times = np.linspace(t0, t1, control.num_layers * steps_per_layer + 1)
     jumps = _jump_flags(solver, control, times)
-    return BackwardGrid(
-        times=tuple(float(t) for t in times), on_jump=tuple(bool(j) for j in jumps)
-    )
+    return BackwardGrid(times=tuple(float(t) for t in times), on_jump=tuple(bool(j) for j in jumps))
 
 
 ADAPTIVE_STEPS_PER_LAYER: int = 256

@@ -20,7 +20,6 @@ from ._rules import (
     Choices as Choices,
     IncompatibleError as IncompatibleError,
     Refusal as Refusal,
-    check as check_choices,
     describe_stepper as describe_stepper,
     refusals as refusals,
 )

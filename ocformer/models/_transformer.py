@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from diffrax import MultiTerm
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
+from .._custom_types import KeyMask, State
 from ..controls import AbstractControl, Basis, Constant, LayerParams, NormParams, PiecewiseLinear
 from ..dynamics import (
     AttentionTerm,
@@ -256,7 +257,7 @@ class ContinuousTransformer(eqx.Module):
             solver = ProjectedSolver(solver)
         return solver
 
-    def initial_state(self, u0: Float[Array, "*batch N d"]) -> Float[Array, "*batch N d"]:
+    def initial_state(self, u0: State) -> State:
         """u(0): ``u0`` itself, or its projection onto S1(theta(t0)) for the smooth
         post-LN formulations (their states live on or near that set)."""
         if self.formulation == "split":
@@ -304,8 +305,8 @@ class ContinuousTransformer(eqx.Module):
 
     def solve(
         self,
-        u0: Float[Array, "*batch N d"],
-        key_mask: Bool[Array, "*batch N"] | None = None,
+        u0: State,
+        key_mask: KeyMask | None = None,
         saveat: diffrax.SaveAt | None = None,
     ) -> diffrax.Solution:
         """The diffrax solution from u(0) = u0 (before any final projection); its
@@ -324,8 +325,8 @@ class ContinuousTransformer(eqx.Module):
 
     def trajectory(
         self,
-        u0: Float[Array, "*batch N d"],
-        key_mask: Bool[Array, "*batch N"] | None = None,
+        u0: State,
+        key_mask: KeyMask | None = None,
         substeps: bool = False,
     ) -> tuple[Float[Array, " T"], Float[Array, "T *batch N d"]]:
         """The states at every step: ``(ts, ys)`` with ``ys[0] = u(0)`` and ``ys[i]``
@@ -377,24 +378,9 @@ class ContinuousTransformer(eqx.Module):
 
     def __call__(
         self,
-        u0: Float[Array, "*batch N d"],
-        key_mask: Bool[Array, "*batch N"] | None = None,
-    ) -> Float[Array, "*batch N d"]:
-        """u(T) from the embedded input u0, in the dtype of u0."""
-        sol = self.solve(u0, key_mask)
-        assert sol.ys is not None
-        u_t = sol.ys[-1]
-        if self.final_norm is not None:
-            final = self._in_dtype(u0.dtype).final_norm
-            assert final is not None  # the dtype cast keeps the structure
-            u_t = self.layer_norm(final, u_t)
-        return u_t
-
-    def __call__(
-        self,
-        u0: Float[Array, "*batch N d"],
-        key_mask: Bool[Array, "*batch N"] | None = None,
-    ) -> Float[Array, "*batch N d"]:
+        u0: State,
+        key_mask: KeyMask | None = None,
+    ) -> State:
         """u(T) from the embedded input u0, in the dtype of u0."""
         sol = self.solve(u0, key_mask)
         assert sol.ys is not None

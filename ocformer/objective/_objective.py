@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Float, Int
 
-from ..dynamics import time_grid
+from ..integration import time_grid
 from ..models._sequence import SequenceModel
 from ..models._transformer import ContinuousTransformer
 from ._running import control_size, control_smoothness, grid_saveat, kinetic_energy_of_states

@@ -182,9 +182,7 @@ class Hybrid(AbstractSplittingSolver):
 
     def feeds(self, source, target, terms):
         groups = self.resolved_groups(terms)
-        return any(
-            a == (source,) and b == (target,) for a, b in zip(groups[:-1], groups[1:])
-        )
+        return any(a == (source,) and b == (target,) for a, b in zip(groups[:-1], groups[1:]))
 
     def compose(self, terms, theta, dt, y, args, record=None):
         for group in self.resolved_groups(terms):
