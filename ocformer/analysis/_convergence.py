@@ -10,6 +10,7 @@ non-autonomous ODE and the asymptotic regime is reached at a few steps per layer
 from collections.abc import Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -170,7 +171,16 @@ def convergence_study(
         A JSON-ready dict: the set-up, and per scheme the step counts, step sizes,
         errors, fitted slope, the scheme's ``order()``, and the sub-solver used (with
         a note when it was chosen for the scheme); for ``"relaxed"``, per epsilon.
+        A cell (scheme, step count) that the model refuses or whose solve fails has
+        error ``None`` and its reason in ``failures`` (keyed by the step count); a
+        scheme refused at every step count says so once, in ``refused``. The other
+        cells are computed, and the slope is fitted over those that have an error.
+
+    Raises:
+        ValueError: an unknown scheme name, or fewer than two step counts (before
+            anything is computed).
     """
+    options_of = {name: scheme_options(name) for name in schemes}  # unknown names first
     if model is None:
         model = study_model(formulation, seed)
     u0 = study_input(model, seed)
@@ -222,29 +232,40 @@ def convergence_study(
         return out
     results = {}
     for name in schemes:
-        options = scheme_options(name)
-        errors, dts = [], []
+        options = options_of[name]
+        cells: list[float | None] = []
+        failures: dict[str, str] = {}
+        dts = [length / m for m in steps]
         expected = None
         for m in steps:
-            discrete = with_scheme(
-                model,
-                steps_per_layer=m,
-                formulation=model.formulation,
-                rtol=1e-10,
-                atol=1e-12,
-                **options,
-            )
-            expected = discrete.order()
-            errors.append(_error(discrete(u0), u_ref))
-            dts.append(length / m)
+            try:
+                discrete = with_scheme(
+                    model,
+                    steps_per_layer=m,
+                    formulation=model.formulation,
+                    rtol=1e-10,
+                    atol=1e-12,
+                    **options,
+                )
+                expected = discrete.order()
+                cells.append(_error(discrete(u0), u_ref))
+            except (ValueError, eqx.EquinoxRuntimeError) as e:
+                # A refused combination or a failed solve is this cell's result.
+                cells.append(None)
+                failures[str(m)] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        done = [(h, e) for h, e in zip(dts, cells) if e is not None]
         entry: dict[str, Any] = dict(
             steps_per_layer=list(steps),
             dt=dts,
-            errors=errors,
-            slope=fitted_slope(dts, errors),
+            errors=cells,
+            slope=fitted_slope(*zip(*done)) if len(done) >= 2 else None,
             expected_order=expected,
             sub_solver=options["sub_solver"],
         )
+        if failures:
+            entry["failures"] = failures
+            if not done and len(set(failures.values())) == 1:
+                entry["refused"] = next(iter(failures.values()))
         if options["sub_solver"] != "euler":
             entry["note"] = (
                 f"{name} is a second-order splitting: its explicit sub-flows use the "
@@ -273,19 +294,33 @@ def format_table(result: dict) -> str:
     names = list(result["schemes"])
     steps = result["schemes"][names[0]]["steps_per_layer"]
     lines.append(f"{'steps/layer':>12}" + "".join(f"{n:>14}" for n in names))
+
+    def cell(name: str, i: int) -> str:
+        r = result["schemes"][name]
+        if r["errors"][i] is not None:
+            return f"{r['errors'][i]:>14.3e}"
+        return f"{'refused' if 'refused' in r else 'failed':>14}"
+
     for i, m in enumerate(steps):
-        row = "".join(f"{result['schemes'][n]['errors'][i]:>14.3e}" for n in names)
-        lines.append(f"{m:>12d}{row}")
+        lines.append(f"{m:>12d}" + "".join(cell(n, i) for n in names))
+    slopes = [result["schemes"][n]["slope"] for n in names]
     lines.append(
-        f"{'slope':>12}" + "".join(f"{result['schemes'][n]['slope']:>14.3f}" for n in names)
+        f"{'slope':>12}"
+        + "".join("{:>14}".format("n/a" if s is None else f"{s:.3f}") for s in slopes)
     )
     lines.append(
         f"{'order()':>12}"
         + "".join(f"{str(result['schemes'][n]['expected_order']):>14}" for n in names)
     )
     for n in names:
-        if "note" in result["schemes"][n]:
-            lines.append(f"note: {result['schemes'][n]['note']}")
+        r = result["schemes"][n]
+        if "note" in r:
+            lines.append(f"note: {r['note']}")
+        if "refused" in r:
+            lines.append(f"refused: {n}: {r['refused']}")
+        else:
+            for m, why in r.get("failures", {}).items():
+                lines.append(f"failed: {n} at {m} steps/layer: {why}")
     return "\n".join(lines)
 
 
@@ -303,7 +338,12 @@ def plot_study(result: dict, path: str) -> None:
         ax.set_xlabel("epsilon")
     else:
         for name, r in result["schemes"].items():
-            ax.loglog(r["dt"], r["errors"], "o-", label=f"{name} (slope {r['slope']:.2f})")
+            done = [(h, e) for h, e in zip(r["dt"], r["errors"]) if e is not None]
+            if not done:
+                continue  # refused: listed in the table and the JSON
+            dts, errors = zip(*done)
+            slope = "n/a" if r["slope"] is None else f"{r['slope']:.2f}"
+            ax.loglog(dts, errors, "o-", label=f"{name} (slope {slope})")
         ax.set_xlabel("dt")
     ax.set_ylabel("error at T")
     ax.set_title(f"formulation={result['formulation']}")
