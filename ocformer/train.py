@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     from .checkpointing import CheckpointError
-    from .config import ConfigError, resolve
+    from .config import ConfigError, apply_overrides, load_experiment
     from .training import ExitCode, TrainingError, WorkdirError
 
     try:
-        config = resolve(args.config, args.overrides)
+        # Validated once, by train(), before anything is built or written.
+        config = apply_overrides(load_experiment(args.config), args.overrides)
     except ConfigError as e:
         return _fail(ExitCode.USAGE, str(e))
     if config.model.dtype == "float64":
@@ -69,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "ocformer.train", *(sys.argv[1:] if argv is None else argv)]
     try:
         train(config, args.workdir, argv=command, allow_config_change=args.allow_config_change)
-    except (ConfigError, WorkdirError) as e:
-        return _fail(ExitCode.USAGE, str(e))
-    except CheckpointError as e:
+    except (ConfigError, WorkdirError, CheckpointError) as e:
         return _fail(ExitCode.USAGE, str(e))
     except FileNotFoundError as e:  # ocformer.tasks.DataNotFoundError and its kin
         return _fail(ExitCode.USAGE, str(e))

@@ -54,16 +54,16 @@ def env(tmp_path_factory):
     return e
 
 
-def command(workdir, *overrides):
+def command(workdir, *overrides, flags=()):
     cmd = [sys.executable, "-m", "ocformer.train", "--config", SMOKE, "--workdir", str(workdir)]
     for o in (*BASE, *overrides):
         cmd += ["--set", o]
-    return cmd
+    return cmd + list(flags)
 
 
-def run(env, workdir, *overrides, timeout=240):
+def run(env, workdir, *overrides, flags=(), timeout=240):
     return subprocess.run(
-        command(workdir, *overrides),
+        command(workdir, *overrides, flags=flags),
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -284,7 +284,10 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_143(env, tmp_path):
     stopped = metrics(workdir)[-1]["step"]
     assert re.search(rf"preempted \(SIGTERM\) after step {stopped}", err), err
     assert CheckpointManager(os.path.join(workdir, "checkpoints")).steps() == [stopped]
-    again = run(env, workdir, f"train.steps={stopped + 3}", "optimiser.schedule=constant")
+    extended = (f"train.steps={stopped + 3}", "optimiser.schedule=constant")
+    refused = run(env, workdir, *extended)
+    assert refused.returncode == 2 and "train.steps: 100000 -> " in refused.stderr
+    again = run(env, workdir, *extended, flags=["--allow-config-change"])
     assert again.returncode == 0, again.stderr
     assert f"from step {stopped}" in again.stdout
     assert [r["step"] for r in metrics(workdir)] == list(range(1, stopped + 4))
@@ -297,20 +300,23 @@ def _copy_run(reference, tmp_path):
     return dst
 
 
-def test_corrupted_checkpoint_is_refused(reference, tmp_path, capsys):
+@pytest.mark.parametrize("files", ["all", "arrays"])
+def test_corrupted_checkpoint_is_refused_quietly(env, reference, tmp_path, files):
+    """Garbage in every file of the newest checkpoint, or only in its array data (where
+    orbax fails while other reads are in flight): one message, exit 2, and nothing
+    else on stderr (no asyncio tracebacks from orbax's reads)."""
     workdir = _copy_run(reference, tmp_path)
     step_dir = os.path.join(workdir, "checkpoints", f"step_{STEPS}")
-    for root, _, files in os.walk(step_dir):
-        for name in files:
-            if name != MARKER:
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            if name != MARKER and (files == "all" or "ocdbt.process" in root):
                 with open(os.path.join(root, name), "wb") as f:
                     f.write(b"\x00garbage")
-    code = cli.main(
-        ["--config", SMOKE, "--workdir", str(workdir)] + sum((["--set", o] for o in BASE), [])
-    )
-    assert code == 2
-    err = capsys.readouterr().err
-    assert "corrupted" in err and f"step_{STEPS}" in err
+    proc = run(env, workdir)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "corrupted" in lines[0] and f"step_{STEPS}" in lines[0]
 
 
 def test_corrupted_marker_is_refused(reference, tmp_path, capsys):
@@ -327,7 +333,24 @@ def test_corrupted_marker_is_refused(reference, tmp_path, capsys):
 def test_checkpoint_of_another_model_shape_is_refused(reference, tmp_path, capsys):
     workdir = _copy_run(reference, tmp_path)
     argv = ["--config", SMOKE, "--workdir", str(workdir), "--set", "model.width=32"]
-    code = cli.main(argv + sum((["--set", o] for o in BASE), []))
+    code = cli.main(argv + sum((["--set", o] for o in BASE), []) + ["--allow-config-change"])
     assert code == 2
     err = capsys.readouterr().err
     assert "does not match the configured model" in err and "16]" in err and "32]" in err
+
+
+def test_nan_abort_in_a_real_process_exits_4_naming_the_resume_point(env, tmp_path):
+    """The NaN is injected by tests/_faults.py (which patches the step builder and runs
+    the command line): exit 4, one message naming the finite checkpoint to resume from."""
+    workdir = tmp_path / "nan"
+    helper = os.path.join(ROOT, "tests", "_faults.py")
+    cmd = [sys.executable, helper, "--nan-at", "13", "--", *command(workdir)[3:]]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 4, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    step_10 = os.path.join(workdir, "checkpoints", "step_10")
+    assert "non-finite loss at training step 13" in lines[0]
+    assert f"The last checkpoint, {step_10}, is finite" in lines[0]
+    assert CheckpointManager(os.path.join(workdir, "checkpoints")).steps() == [10]
+    assert [r["step"] for r in metrics(workdir)] == list(range(1, 13))

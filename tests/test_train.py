@@ -6,13 +6,26 @@ import json
 import math
 import os
 
+import diffrax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from _faults import nan_at_update
 
 from ocformer import train as cli
 from ocformer.checkpointing import CheckpointManager, NonFiniteCheckpointError
 from ocformer.config import OptimiserConfig, resolve
-from ocformer.training import ExitCode, NonFiniteError, make_schedule, train
+from ocformer.objective import Objective
+from ocformer.training import (
+    ExitCode,
+    NonFiniteError,
+    _loop,
+    build,
+    load_run,
+    make_eval_step,
+    make_schedule,
+    train,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
@@ -93,7 +106,8 @@ def _checkpoint_arrays(workdir, step):
     return mgr._orbax().restore(mgr.path(step))
 
 
-def test_nonfinite_update_is_skipped_and_counted(tmp_path):
+def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr(_loop, "make_train_step", nan_at_update(3))
     config = resolve(
         SMOKE,
         [
@@ -102,7 +116,6 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path):
             "train.checkpoint_every=1",
             "train.keep_checkpoints=5",
             "train.eval_every=4",
-            "train.debug_nan_at_step=3",
             "train.on_nonfinite=skip",
         ],
     )
@@ -122,8 +135,9 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path):
     assert not np.array_equal(after3["000000"], after4["000000"])
 
 
-def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path):
-    overrides = [*QUIET, "train.steps=4", "train.checkpoint_every=1", "train.debug_nan_at_step=3"]
+def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(_loop, "make_train_step", nan_at_update(3))
+    overrides = [*QUIET, "train.steps=4", "train.checkpoint_every=1"]
     config = resolve(SMOKE, overrides)
     with pytest.raises(NonFiniteError) as e:
         train(config, str(tmp_path / "lib"))
@@ -132,6 +146,9 @@ def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path):
     assert e.value.exit_code == ExitCode.NON_FINITE
     assert e.value.step == 3 and e.value.source == "loss"
     assert "non-finite loss at training step 3" in str(e.value)
+    step_2 = str(tmp_path / "lib" / "checkpoints" / "step_2")
+    assert e.value.checkpoint == step_2
+    assert f"The last checkpoint, {step_2}, is finite and is the resume point" in str(e.value)
     assert CheckpointManager(str(tmp_path / "lib" / "checkpoints")).steps() == [1, 2]
     assert [r["step"] for r in read_metrics(tmp_path / "lib")] == [1, 2]
 
@@ -191,3 +208,70 @@ def test_resume_drops_samples_written_after_the_checkpoint(tmp_path):
     assert path.read_text().count("=== step") == 2
     rewind_samples(str(path), 5)
     assert path.read_text() == ""
+
+
+def test_nonfinite_abort_before_any_checkpoint_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(_loop, "make_train_step", nan_at_update(2))
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run")]
+    for o in [*QUIET, "train.steps=4", "train.checkpoint_every=3"]:
+        argv += ["--set", o]
+    assert cli.main(argv) == ExitCode.NON_FINITE == 4
+    err = capsys.readouterr().err
+    assert "non-finite loss at training step 2" in err
+    assert "No checkpoint has been written yet: a re-run starts from step 0" in err
+    assert "last checkpoint" not in err and "Traceback" not in err
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).steps() == []
+
+
+def test_zero_steps_summary_lists_only_existing_files(tmp_path, capsys):
+    config = resolve(SMOKE, [*QUIET, "train.steps=0"])
+    summary = train(config, str(tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert summary["step"] == 0 and summary["metrics"] is None and summary["checkpoint"] is None
+    assert "metrics.jsonl" not in out and "checkpoint" not in out
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    for key in ("metrics", "tensorboard", "checkpoint", "samples"):
+        assert summary[key] is None or os.path.exists(summary[key]), key
+
+
+def test_load_run_gives_the_trained_model(tmp_path):
+    """The model loaded from a finished run reproduces the run's last validation loss."""
+    config = resolve(SMOKE, [*QUIET, "train.steps=5", "train.eval_every=5"])
+    train(config, str(tmp_path))
+    last = read_metrics(tmp_path)[-1]
+    loaded_config, model = load_run(tmp_path)
+    assert loaded_config == config
+    exp = build(loaded_config)
+    evaluate = make_eval_step(exp.objective)
+    t = loaded_config.task
+    batches = exp.task.eval_batches(t.eval_batch_size, t.eval_batches, loaded_config.train.seed)
+    losses = [float(evaluate(model, {k: jnp.asarray(v) for k, v in b.items()})["task_loss"])
+              for b in batches]  # fmt: skip
+    assert jnp.asarray(model.readout.weight).dtype == jnp.float32
+    np.testing.assert_allclose(np.mean(losses), last["val_loss"], rtol=1e-6)
+    # ... and differs from the untrained model's by far more than that tolerance.
+    untrained = [float(evaluate(exp.model, {k: jnp.asarray(v) for k, v in b.items()})["task_loss"])
+                 for b in batches]  # fmt: skip
+    assert abs(np.mean(untrained) - last["val_loss"]) > 1e-3
+    # An earlier checkpoint by step; a step that was not kept is refused by name.
+    with pytest.raises(ValueError, match=r"no committed checkpoint of step 3; committed steps"):
+        load_run(tmp_path, step=3)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_kinetic_energy_comes_from_the_solve_of_the_loss(norm, monkeypatch):
+    """With kappa > 0 the objective runs one diffeqsolve (as with kappa = 0), and its
+    task loss is that of the plain forward pass."""
+    config = resolve(SMOKE, [*QUIET, f"model.norm={norm}", "model.dtype=float64"])
+    exp = build(config)
+    batch = {k: jnp.asarray(v) for k, v in exp.task.batch("train", 0, 4, 0).items()}
+    calls = []
+    real = diffrax.diffeqsolve
+    monkeypatch.setattr(diffrax, "diffeqsolve", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain_loss, plain = Objective()(exp.model, batch)
+    assert len(calls) == 1
+    loss, metrics = Objective(kinetic_energy=0.5)(exp.model, batch)
+    assert len(calls) == 2
+    assert abs(float(metrics["task_loss"]) - float(plain["task_loss"])) < 1e-12
+    expect = float(plain_loss) + 0.5 * float(metrics["kinetic_energy"])
+    assert abs(float(loss) - expect) < 1e-12 and float(metrics["kinetic_energy"]) > 0.01

@@ -1,6 +1,15 @@
-"""Analysis used by notebooks and the ``python -m ocformer.analysis`` command:
-measured orders of convergence under refinement."""
+"""Analysis used by notebooks and the ``python -m ocformer.analysis`` command: measured
+orders of convergence, gradients and costates, a trained model under other
+discretisations, and the dynamics of tokens."""
 
+from ._adjoint import (
+    Costates as Costates,
+    GradientDensity as GradientDensity,
+    costates as costates,
+    gradient_check as gradient_check,
+    gradient_density as gradient_density,
+    terminal_loss as terminal_loss,
+)
 from ._convergence import (
     STUDY_FORMULATIONS as STUDY_FORMULATIONS,
     convergence_study as convergence_study,
@@ -12,4 +21,14 @@ from ._convergence import (
     study_model as study_model,
     study_stepper as study_stepper,
 )
+from ._discretisations import discretisation_study as discretisation_study
 from ._gradients import gradient_comparison as gradient_comparison
+from ._steps import ShiftedControl as ShiftedControl, StepMap as StepMap, chain as chain
+from ._tokens import (
+    Lyapunov as Lyapunov,
+    TokenSimilarity as TokenSimilarity,
+    lyapunov_exponents as lyapunov_exponents,
+    lyapunov_refinement as lyapunov_refinement,
+    model_lyapunov as model_lyapunov,
+    token_similarity as token_similarity,
+)

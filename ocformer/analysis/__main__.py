@@ -7,6 +7,7 @@ Example:
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -16,6 +17,21 @@ def _ints(text: str) -> list[int]:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
+
+
+def _output_problem(path: str, option: str) -> str | None:
+    """Why ``path`` cannot be written (checked before any computation), or None."""
+    if not path.strip():
+        return f"{option} is an empty path"
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        return f"{option} {path} is a directory; give a file name"
+    if not os.path.isdir(folder):
+        return f"{option} {path}: the folder {folder} does not exist; create it first"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{option} {path}: the folder {folder} is not writable"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--json", dest="json_path", default=None, help="write the result here")
     conv.add_argument("--plot", default=None, help="write a log-log plot (PNG) here")
     args = parser.parse_args(argv)
+    for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
+        problem = None if path is None else _output_problem(path, option)
+        if problem is not None:
+            print(f"error: {problem} (checked before computing; nothing was computed)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
 
     import jax
 

@@ -18,7 +18,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float
 
 from ..integration import GRADIENT_METHODS
@@ -283,7 +282,3 @@ def gradient_density(
     )
 
 
-def costate_norms_by_layer(result: Costates, num_layers: int) -> np.ndarray:
-    """|lambda| at the layer boundaries t = 0, 1, ..., L (every m-th step)."""
-    m = (result.ts.shape[0] - 1) // num_layers
-    return np.asarray(result.norms[::m])

@@ -178,6 +178,7 @@ def convergence_study(
         is recorded as ``{"status": "refused" | "failed", "reason": ...}`` and the
         other schemes are still computed.
     """
+    steppers = {name: study_stepper(name) for name in schemes}  # unknown names first
     if model is None:
         model = study_model(formulation, seed)
     u0 = study_input(model, seed)
@@ -230,7 +231,7 @@ def convergence_study(
         return out
     results = {}
     for name in schemes:
-        stepper = study_stepper(name)
+        stepper = steppers[name]
         sub_solver = getattr(stepper, "sub_solver", "euler")
         errors, dts = [], []
         expected = None

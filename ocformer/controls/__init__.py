@@ -7,6 +7,7 @@ from ._control import (
     stack_layers as stack_layers,
     unstack_layers as unstack_layers,
 )
+from ._conv import ConvAttentionParams as ConvAttentionParams
 from ._init import (
     init_layer_params as init_layer_params,
     init_stacked_params as init_stacked_params,

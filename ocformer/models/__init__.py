@@ -1,5 +1,6 @@
 """Models: the continuous Transformer, its compatibility rules, embeddings and readouts."""
 
+from ._cvt import with_conv_projections as with_conv_projections
 from ._embedding import (
     AbstractEmbedding as AbstractEmbedding,
     PatchEmbedding as PatchEmbedding,

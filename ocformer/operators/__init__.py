@@ -7,6 +7,7 @@ from ._activations import (
     project_positive_cone as project_positive_cone,
 )
 from ._attention import Attention as Attention
+from ._conv_attention import ConvAttention as ConvAttention, local_transform as local_transform
 from ._feedforward import FeedForward as FeedForward
 from ._grid import Grid as Grid, constant_in_x as constant_in_x
 from ._layernorm import LayerNormProjection as LayerNormProjection, normalise as normalise

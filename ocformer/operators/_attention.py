@@ -3,11 +3,17 @@
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from ..controls._params import AttentionParams
 from ._grid import Grid, constant_in_x
+
+# Dtypes for which the score softmax may run in float32: jax.nn.dot_product_attention
+# always computes it in float32, which would round a float64 model to single precision.
+_FUSED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def _transform(u, w, b, h_y: float):
@@ -65,6 +71,44 @@ class Attention(eqx.Module):
                 f"The feature width d={d} is not divisible by num_heads={heads}; each "
                 "head needs an equal feature sub-domain. Choose num_heads dividing d."
             )
+        h_x, h_y = self.grid.h_x, self.grid.h_y
+        if key_mask is not None and key_mask.shape != (*batch, n):
+            raise ValueError(
+                f"key_mask has shape {key_mask.shape}, expected {(*batch, n)} "
+                "(the batch axes and the token axis of the state)."
+            )
+        if h_x == 1.0 and h_y == 1.0 and u.dtype in _FUSED_DTYPES:
+            # Unit spacings: the quadratures are plain sums and the score scale is
+            # 1/sqrt(dh), which is standard scaled dot-product attention, so the library
+            # kernel (fused on accelerators) computes the same operator. Otherwise, and
+            # in float64, the integral-operator form below is evaluated literally.
+            z = self._dot_product_attention(p, u, key_mask)
+        else:
+            z = self._integral_form(p, u, key_mask)
+        if p.wo is not None:
+            z = _transform(z, p.wo, None, h_y)
+        if p.bo is not None:
+            z = z + constant_in_x(p.bo, z.ndim)
+        return z
+
+    def _dot_product_attention(self, p: AttentionParams, u, key_mask):
+        *batch, n, d = u.shape
+        heads = self.num_heads
+        # One (d, 3d) product for Q, K and V instead of three (d, d) ones.
+        w = jnp.concatenate([p.wq, p.wk, p.wv], axis=-1)
+        biases = (p.bq, p.bk, p.bv)
+        b = None
+        if any(x is not None for x in biases):
+            b = jnp.concatenate([jnp.zeros((d,), u.dtype) if x is None else x for x in biases])
+        qkv = _transform(u, w, b, 1.0).reshape(-1, n, 3, heads, d // heads)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        mask = None if key_mask is None else key_mask.reshape(-1, 1, 1, n)
+        z = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal)
+        return z.reshape(*batch, n, d)
+
+    def _integral_form(self, p: AttentionParams, u, key_mask):
+        *batch, n, d = u.shape
+        heads = self.num_heads
         dh = d // heads
         h_x, h_y = self.grid.h_x, self.grid.h_y
 
@@ -81,11 +125,6 @@ class Attention(eqx.Module):
         if self.causal:
             keep = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), dtype=bool)), s.shape)
         if key_mask is not None:
-            if key_mask.shape != (*batch, n):
-                raise ValueError(
-                    f"key_mask has shape {key_mask.shape}, expected {(*batch, n)} "
-                    "(the batch axes and the token axis of the state)."
-                )
             km = jnp.broadcast_to(key_mask[..., None, None, :], s.shape)
             keep = km if keep is None else jnp.logical_and(keep, km)
         if keep is not None:
@@ -101,9 +140,4 @@ class Attention(eqx.Module):
         else:
             gamma = e / jnp.sum(e, axis=-1, keepdims=True)
             z = jnp.einsum("...qk,...kc->...qc", gamma, v)
-        z = jnp.swapaxes(z, -2, -3).reshape(*batch, n, d)
-        if p.wo is not None:
-            z = _transform(z, p.wo, None, h_y)
-        if p.bo is not None:
-            z = z + constant_in_x(p.bo, z.ndim)
-        return z
+        return jnp.swapaxes(z, -2, -3).reshape(*batch, n, d)

@@ -133,7 +133,7 @@ def _failures(workdir: str, info: dict) -> list[str]:
     out = []
     for p in info["points"]:
         status = read_status(point_dir(workdir, p["name"]))
-        if status.get("status") == "failed":
+        if status.get("status") in ("failed", "interrupted"):
             out.append(f"{p['name']}: exit code {status.get('exit_code')}: {status.get('error')}")
         for name, f in (status.get("evaluation_failures") or {}).items():
             out.append(f"{p['name']} (evaluation {name}): exit code {f['exit_code']}: {f['error']}")

@@ -183,7 +183,9 @@ def run_point(sweep_dir: str, point: dict) -> dict:
             result[key] += previous.get(key) or 0
         result["peak_rss_mb"] = max(result["peak_rss_mb"], previous.get("peak_rss_mb") or 0)
         status.update(result)
-        status["status"] = "done" if result["exit_code"] == 0 else "failed"
+        code = result["exit_code"]
+        # 143: ocformer.train was preempted (SIGTERM) after writing a checkpoint.
+        status["status"] = "done" if code == 0 else "interrupted" if code == 143 else "failed"
         status["command"] = command
         _write_status(path, status)
         if status["status"] != "done":
@@ -240,6 +242,7 @@ class Progress:
         self.started = time.perf_counter()
         self.lock = threading.Lock()
         self.last = ""
+        self.last_time = 0.0
 
     def line(self) -> str:
         left = self.total - self.done - self.failed
@@ -256,12 +259,14 @@ class Progress:
             f"{_fmt_time(time.perf_counter() - self.started)})"
         )
 
-    def show(self, force: bool = False) -> None:
+    def show(self, force: bool = False, every_s: float = 60.0) -> None:
+        """Print the line when a count changed, and at least every ``every_s``."""
         with self.lock:
             text = self.line()
-            if force or text.split(" (elapsed")[0] != self.last.split(" (elapsed")[0]:
+            changed = text.split(", ETA")[0] != self.last.split(", ETA")[0]
+            if force or changed or time.monotonic() - self.last_time > every_s:
                 print(text, file=self.stream, flush=True)
-                self.last = text
+                self.last, self.last_time = text, time.monotonic()
 
     def start(self) -> None:
         with self.lock:

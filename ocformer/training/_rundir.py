@@ -116,9 +116,10 @@ class RunDirectory:
                 f"work directory {self.path} cannot be created: {probe} is a file, not a directory"
             )
         if not os.access(probe, os.W_OK | os.X_OK):
+            what = "is not writable" if probe == self.path else "cannot be created"
             raise WorkdirError(
-                f"work directory {self.path} is not writable ({probe} does not allow this "
-                "user to write); choose another --workdir or change its permissions"
+                f"work directory {self.path} {what}: {probe} is not writable by this user; "
+                "choose another --workdir or change its permissions"
             )
 
     def check(self, config: Config, *, allow_config_change: bool = False) -> dict[str, tuple]:

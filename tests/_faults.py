@@ -1,0 +1,60 @@
+"""Faults injected into training by monkeypatching, for the tests only.
+
+In-process: ``monkeypatch.setattr(ocformer.training._loop, "make_train_step",
+nan_at_update(3))``. In a subprocess: ``python tests/_faults.py --nan-at 3 -- <arguments
+of python -m ocformer.train>`` patches the same way and runs the command line.
+"""
+
+import itertools
+import sys
+
+import equinox as eqx
+import jax.numpy as jnp
+
+from ocformer.training import _loop, _step
+
+
+class _NaNLoss(eqx.Module):
+    """The objective with its loss multiplied by NaN (the metrics report it)."""
+
+    objective: eqx.Module
+
+    def __call__(self, model, batch):
+        loss, metrics = self.objective(model, batch)  # pyright: ignore[reportCallIssue]
+        loss = loss * jnp.nan
+        return loss, dict(metrics, loss=loss)
+
+
+def nan_at_update(n: int):
+    """A stand-in for ``make_train_step`` whose ``n``-th call (1-based, counted from the
+    first update this process runs) computes a NaN loss; every other call is the real
+    step."""
+
+    def make_train_step(objective, constraints, optimiser, *, skip_nonfinite):
+        good = _step.make_train_step(
+            objective, constraints, optimiser, skip_nonfinite=skip_nonfinite
+        )
+        bad = _step.make_train_step(
+            _NaNLoss(objective), constraints, optimiser, skip_nonfinite=skip_nonfinite
+        )
+        calls = itertools.count(1)
+
+        def step(model, opt_state, batch):
+            return (bad if next(calls) == n else good)(model, opt_state, batch)
+
+        return step
+
+    return make_train_step
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[0] != "--nan-at" or argv[2] != "--":
+        raise SystemExit("usage: python tests/_faults.py --nan-at N -- <ocformer.train arguments>")
+    from ocformer import train as cli
+
+    _loop.make_train_step = nan_at_update(int(argv[1]))
+    return int(cli.main(argv[3:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,49 @@
+"""The analysis command keeps partial results and checks its outputs before computing."""
+
+import json
+
+import pytest
+
+from ocformer.analysis import __main__ as cli
+
+
+@pytest.mark.parametrize(
+    "option, path, words",
+    [
+        ("--json", "missing/orders.json", "missing does not exist"),
+        ("--plot", "missing/orders.png", "missing does not exist"),
+        ("--json", ".", "is a directory"),
+        ("--json", " ", "empty path"),
+    ],
+)
+def test_outputs_are_checked_before_computing(option, path, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("computed before checking the output path")
+
+    monkeypatch.setattr("ocformer.analysis._convergence.convergence_study", must_not_run)
+    assert cli.main(["convergence", "--steps", "2,4", option, path]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "nothing was computed" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_refused_scheme_is_a_cell_and_the_others_are_computed(tmp_path, capsys):
+    """Parallel splitting refuses the projected formulation: its cells say so, in the
+    table and the JSON, and Lie's errors are still measured and written."""
+    path = tmp_path / "orders.json"
+    argv = ["convergence", "--schemes", "lie,parallel", "--steps", "2,4",
+            "--formulation", "projected", "--json", str(path)]  # fmt: skip
+    assert cli.main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(path.read_text())
+    lie, parallel = result["schemes"]["lie"], result["schemes"]["parallel"]
+    assert parallel["status"] == "refused" and "errors" not in parallel
+    assert "formulation='projected'" in parallel["reason"]
+    assert "discretisation.stepper" in parallel["reason"]
+    # Lie is first order: the error halves with the step (measured 0.181, 0.092).
+    assert lie["status"] == "ok" and 0.8 < lie["slope"] < 1.2 and lie["errors"][1] > 0
+    rows = [line.split() for line in table.splitlines()]
+    assert ["2", f"{lie['errors'][0]:.3e}", "refused"] in rows
+    assert any(line.startswith("parallel refused:") for line in table.splitlines())

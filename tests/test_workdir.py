@@ -1,0 +1,349 @@
+"""The work directory is the user's data: bad inputs are refused by name with their exit
+code and change nothing; resuming repairs the logs and refuses (or records) a changed
+configuration.
+
+Runs are the command line in-process (``ocformer.train.main``) on experiments/smoke.py.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+
+import pytest
+from _faults import nan_at_update
+
+from ocformer import train as cli
+from ocformer.checkpointing import MARKER, CheckpointManager
+from ocformer.config import resolve
+from ocformer.training import (
+    RUN_MARKER,
+    ConfigChanged,
+    RunDirectory,
+    _loop,
+    make_schedule,
+    train,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+STEPS = 12
+BASE = [
+    "train.progress=false",
+    f"train.steps={STEPS}",
+    "train.checkpoint_every=4",
+    "train.keep_checkpoints=5",
+    "train.eval_every=6",
+]
+
+
+def argv(workdir, *overrides, config=SMOKE, flags=()):
+    out = ["--config", config, "--workdir", str(workdir), *flags]
+    for o in (*BASE, *overrides):
+        out += ["--set", o]
+    return out
+
+
+def read_metrics(workdir) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def numbers(records) -> list[tuple]:
+    keys = ("step", "loss", "grad_norm", "lr", "val_loss", "val_accuracy", "skipped_steps")
+    return [tuple(r.get(k) for k in keys) for r in records]
+
+
+def snapshot(directory) -> dict[str, str]:
+    """Every file under ``directory`` (relative path -> SHA-256 of its bytes)."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A finished run: checkpoints at steps 4, 8, 12, evaluations at 6 and 12."""
+    workdir = tmp_path_factory.mktemp("reference") / "run"
+    assert cli.main(argv(workdir)) == 0
+    records = read_metrics(workdir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return workdir
+
+
+def copy_of(reference, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(reference, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------
+# The table of bad inputs. Each case prepares its input and returns (argv, the directory
+# that must come out unchanged, or None); the run must exit with the code and say the
+# words, without a traceback.
+
+
+def _foreign(tmp_path, reference):
+    d = tmp_path / "theirs"
+    d.mkdir()
+    (d / "config.json").write_text('{"lr": 0.1}\n')
+    (d / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
+    return argv(d), d
+
+
+def _empty_path(tmp_path, reference):
+    return argv(""), tmp_path  # the current directory (the test's tmp_path)
+
+
+def _blank_path(tmp_path, reference):
+    return argv("   "), tmp_path
+
+
+def _file(tmp_path, reference):
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    return argv(tmp_path / "notes.txt"), tmp_path
+
+
+def _below_a_file(tmp_path, reference):
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    return argv(tmp_path / "notes.txt" / "run"), tmp_path
+
+
+def _cannot_create(tmp_path, reference):
+    # /proc refuses new directories even to root (where permission bits do not).
+    return argv("/proc/ocformer_test_run/run"), None
+
+
+def _changed_steps(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    return argv(d, "train.steps=16"), d
+
+
+def _changed_numerics(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    return argv(d, "optimiser.learning_rate=0.01", "model.activation=relu"), d
+
+
+def _experiment_argument(tmp_path, reference):
+    return argv(tmp_path / "run", config=SMOKE + ":shrt"), tmp_path
+
+
+def _syntax_error(tmp_path, reference):
+    path = tmp_path / "broken.py"
+    path.write_text("def get_config(arg=None):\n    return Config(\n\nx = 1\n")
+    return argv(tmp_path / "run", config=str(path)), tmp_path
+
+
+def _get_config_raises(tmp_path, reference):
+    path = tmp_path / "raises.py"
+    path.write_text("def get_config(arg=None):\n    raise RuntimeError('no GPU here')\n")
+    return argv(tmp_path / "run", config=str(path)), tmp_path
+
+
+def _import_fails(tmp_path, reference):
+    path = tmp_path / "imports.py"
+    path.write_text("import numpy\nimport ocformer_does_not_exist\n")
+    return argv(tmp_path / "run", config=str(path)), tmp_path
+
+
+def _missing_experiment(tmp_path, reference):
+    return argv(tmp_path / "run", config=str(tmp_path / "nope.py")), tmp_path
+
+
+def _bad_value(tmp_path, reference):
+    return argv(tmp_path / "run", "train.steps=-1"), tmp_path
+
+
+def _unknown_field(tmp_path, reference):
+    return argv(tmp_path / "run", "train.stepz=3"), tmp_path
+
+
+def _bad_set_syntax(tmp_path, reference):
+    return argv(tmp_path / "run", "train.steps"), tmp_path
+
+
+def _missing_data(tmp_path, reference):
+    overrides = ("task.name=shakespeare_char", f"task.data_dir={tmp_path / 'no_data'}")
+    return argv(tmp_path / "run", *overrides), tmp_path
+
+
+def _corrupt_marker(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    (d / "checkpoints" / f"step_{STEPS}" / MARKER).write_text("{not json")
+    return argv(d), d
+
+
+def _corrupt_arrays(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    for root, _, files in os.walk(d / "checkpoints" / f"step_{STEPS}"):
+        for name in files:
+            if name != MARKER and "ocdbt.process" in root:
+                with open(os.path.join(root, name), "wb") as f:
+                    f.write(b"\x00garbage")
+    return argv(d), d
+
+
+def _other_shape(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    return argv(d, "model.width=32", flags=["--allow-config-change"]), d
+
+
+def _nan_before_checkpoint(tmp_path, reference, monkeypatch):
+    monkeypatch.setattr(_loop, "make_train_step", nan_at_update(2))
+    return argv(tmp_path / "run"), None
+
+
+BAD_INPUTS = [
+    ("foreign directory", _foreign, 2,
+     ["not empty and was not written by ocformer", "config.json, metrics.jsonl", RUN_MARKER]),
+    ("--workdir ''", _empty_path, 2, ["work directory path is empty"]),
+    ("--workdir '   '", _blank_path, 2, ["work directory path is empty"]),
+    ("workdir is a file", _file, 2, ["notes.txt is a file, not a directory"]),
+    ("workdir below a file", _below_a_file, 2, ["cannot be created", "is a file"]),
+    ("workdir cannot be created", _cannot_create, 2, ["ocformer_test_run/run cannot be created"]),
+    ("resume with train.steps changed", _changed_steps, 2,
+     ["changed fields: train.steps: 12 -> 16", "--allow-config-change"]),
+    ("resume with numerics changed", _changed_numerics, 2,
+     ["model.activation: 'gelu' -> 'relu'", "optimiser.learning_rate: 0.003 -> 0.01"]),
+    ("unknown experiment argument", _experiment_argument, 2,
+     ["smoke.py:shrt", "unknown argument 'shrt'", "'float64' or none"]),
+    ("experiment with a syntax error", _syntax_error, 2, ["broken.py, line 2", "SyntaxError"]),
+    ("get_config raises", _get_config_raises, 2,
+     ["raises.py, line 2", "RuntimeError: no GPU here"]),
+    ("experiment import fails", _import_fails, 2,
+     ["imports.py, line 2", "ModuleNotFoundError", "ocformer_does_not_exist"]),
+    ("missing experiment file", _missing_experiment, 2, ["nope.py", "does not exist"]),
+    ("field out of range", _bad_value, 2, ["train.steps", ">= 0"]),
+    ("unknown field", _unknown_field, 2, ["train.stepz"]),
+    ("bad --set syntax", _bad_set_syntax, 2, ["bad --set syntax"]),
+    ("missing data", _missing_data, 2, ["no_data", "make data"]),
+    ("corrupted commit marker", _corrupt_marker, 2, [f"step_{STEPS}", "commit marker"]),
+    ("corrupted checkpoint arrays", _corrupt_arrays, 2,
+     [f"step_{STEPS} is corrupted", "orbax cannot read it"]),
+    ("checkpoint of another model shape", _other_shape, 2,
+     ["does not match the configured model", "16]", "32]"]),
+    ("NaN before any checkpoint", _nan_before_checkpoint, 4,
+     ["non-finite loss at training step 2", "No checkpoint has been written yet"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case, code, words", [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS]
+)
+def test_bad_input(case, code, words, reference, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    if case is _nan_before_checkpoint:
+        args, keep = case(work, reference, monkeypatch)
+    else:
+        args, keep = case(work, reference)
+    before = snapshot(keep) if keep is not None else None
+    capsys.readouterr()
+    assert cli.main(args) == code
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err, (word, err)
+    assert "Traceback" not in err and "Event loop is closed" not in err, err
+    if before is not None:
+        assert snapshot(keep) == before, "the directory was changed"
+    if code == 2:
+        assert not os.path.exists(work / "run"), "a refused run created its directory"
+
+
+# ---------------------------------------------------------------------------------------
+# Resuming.
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_metrics_cut_at_a_random_offset_are_repaired_on_resume(seed, reference, tmp_path, capsys):
+    """The state a kill leaves: metrics.jsonl cut at a random byte, checkpoints only up
+    to the last whole line. The resumed run drops the partial line and the rows after
+    its checkpoint, with a warning, and ends with the uninterrupted run's file."""
+    ref = read_metrics(reference)
+    workdir = copy_of(reference, tmp_path)
+    path = workdir / "metrics.jsonl"
+    data = path.read_bytes()
+    cut = random.Random(seed).randrange(1, len(data) - 1)
+    path.write_bytes(data[:cut])
+    whole = data[:cut].count(b"\n")  # rows 1..whole are complete
+    mgr = CheckpointManager(str(workdir / "checkpoints"))
+    for step in mgr.steps():
+        if step > whole:
+            shutil.rmtree(mgr.path(step))
+    resume_at = max([s for s in mgr.steps() if s <= whole], default=0)
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 0
+    err = capsys.readouterr().err
+    partial = not data[:cut].endswith(b"\n")
+    assert ("dropped a partial last line" in err) == partial, (cut, err)
+    if whole > resume_at:
+        assert f"rewound to step {resume_at}" in err, (cut, err)
+    assert numbers(read_metrics(workdir)) == numbers(ref), f"seed {seed}: cut at byte {cut}"
+
+
+def test_metrics_repair_keeps_intact_files_byte_for_byte(tmp_path):
+    from ocformer.training import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    text = '{"step": 1, "loss": 0.5}\n{"step": 2, "loss": "nan"}\n'
+    path.write_text(text)
+    assert MetricsLog(str(path)).repair(2) == [] and path.read_text() == text
+    path.write_text(text + '{"step": 3, "lo')
+    warnings = MetricsLog(str(path)).repair(2)
+    assert len(warnings) == 1 and "partial last line (12 bytes)" in warnings[0]
+    assert path.read_text() == text
+    path.write_text(text + '{"step": 3}\nnot json\n')
+    warnings = MetricsLog(str(path)).repair(1)
+    assert path.read_text() == '{"step": 1, "loss": 0.5}\n'
+    assert "1 line(s) that are not metric records" in warnings[0]
+    assert "rewound to step 1" in warnings[1] and "dropped 2 record(s)" in warnings[1]
+
+
+def test_allowed_config_change_is_recorded_and_the_schedule_change_announced(
+    reference, tmp_path, capsys
+):
+    workdir = copy_of(reference, tmp_path)
+    capsys.readouterr()
+    assert cli.main(argv(workdir, "train.steps=14", flags=["--allow-config-change"])) == 0
+    out = capsys.readouterr().out
+    config = resolve(SMOKE, BASE)
+    old = float(make_schedule(config.optimiser, STEPS)(STEPS))
+    new = float(make_schedule(config.optimiser, 14)(STEPS))
+    assert old != new
+    assert f"schedule changes at step {STEPS + 1}: lr {old:.3e} -> {new:.3e}" in out, out
+    with open(workdir / "config_history.jsonl", encoding="utf-8") as f:
+        (entry,) = [json.loads(line) for line in f]
+    assert entry["step"] == STEPS and entry["changes"] == {"train.steps": [STEPS, 14]}
+    assert entry["previous"]["train"]["steps"] == STEPS
+    with open(workdir / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["train"]["steps"] == 14
+    records = read_metrics(workdir)
+    assert [r["step"] for r in records] == list(range(1, 15))
+    assert records[STEPS]["lr"] == pytest.approx(new, rel=1e-6)
+    # The changed run resumes with its own configuration without the flag.
+    assert cli.main(argv(workdir, "train.steps=14")) == 0
+
+
+def test_presentation_fields_may_change(reference, tmp_path):
+    workdir = copy_of(reference, tmp_path)
+    config = resolve(SMOKE, [*BASE, "train.progress=true", "train.preempt_grace_s=5"])
+    assert RunDirectory(workdir).check(config) == {}
+    with pytest.raises(ConfigChanged, match=r"train.seed: 0 -> 1"):
+        RunDirectory(workdir).check(resolve(SMOKE, [*BASE, "train.seed=1"]))
+
+
+def test_empty_directory_is_claimed_and_marked(tmp_path):
+    (tmp_path / "run").mkdir()
+    config = resolve(SMOKE, [*BASE, "train.steps=0"])
+    train(config, tmp_path / "run")
+    with open(tmp_path / "run" / RUN_MARKER, encoding="utf-8") as f:
+        assert "created" in json.load(f)
+    assert sorted(os.listdir(tmp_path / "run")) == [
+        "config.json", RUN_MARKER, "run.json", "tb"
+    ]  # fmt: skip
