@@ -280,5 +280,3 @@ def gradient_density(
     return GradientDensity(
         0.5 * (ts[1:] + ts[:-1]), g, jnp.sqrt(squares) / dt, layers, jnp.sqrt(layer_sq)
     )
-
-

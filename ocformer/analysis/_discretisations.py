@@ -61,9 +61,7 @@ def discretisation_study(
     ref_model = at(reference)
     u_ref, loss_ref = _forward(ref_model, objective, batch)
     out: dict = dict(
-        reference=dict(
-            steps_per_layer=ref_model.transformer.steps_per_layer, loss=float(loss_ref)
-        ),
+        reference=dict(steps_per_layer=ref_model.transformer.steps_per_layer, loss=float(loss_ref)),
         results={},
     )
     ref_norm = float(jnp.linalg.norm(u_ref))

@@ -74,9 +74,9 @@ def _benettin(step, times, y0, q0):
         y, q, logs = carry
         y1 = step(n, y)
         # The variational equation advanced by the same step: one JVP per direction.
-        tangents = jax.vmap(lambda v: jax.jvp(lambda u: step(n, u), (y,), (v.reshape(y.shape),))[1])(
-            q.T
-        )
+        tangents = jax.vmap(
+            lambda v: jax.jvp(lambda u: step(n, u), (y,), (v.reshape(y.shape),))[1]
+        )(q.T)
         w = tangents.reshape(q.shape[1], -1).T
         q1, r = jnp.linalg.qr(w)
         diag = jnp.diagonal(r)
@@ -92,9 +92,7 @@ def _benettin(step, times, y0, q0):
     return logs / (times[-1] - times[0]), history / elapsed[:, None]
 
 
-def lyapunov_exponents(
-    step: Callable, times, y0, num: int, *, seed: int = 0
-) -> Lyapunov:
+def lyapunov_exponents(step: Callable, times, y0, num: int, *, seed: int = 0) -> Lyapunov:
     r"""The ``num`` largest finite-time Lyapunov exponents of the discrete flow
     ``y_{n+1} = step(n, y_n)`` on the grid ``times`` (Benettin's algorithm).
 

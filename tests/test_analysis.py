@@ -1,0 +1,256 @@
+"""The analysis functions against independent references: finite differences through
+the model's own solve, autodiff of the whole solve, numpy, and a linear flow whose
+Lyapunov exponents are the real parts of its eigenvalues."""
+
+import diffrax
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+from ocformer.analysis import (
+    StepMap,
+    chain,
+    costates,
+    discretisation_study,
+    gradient_check,
+    gradient_density,
+    lyapunov_exponents,
+    lyapunov_refinement,
+    study_model,
+    terminal_loss,
+    token_similarity,
+)
+from ocformer.controls import PiecewiseConstant, init_stacked_params
+from ocformer.integration import Discretisation
+from ocformer.models import ContinuousTransformer, Readout, SequenceModel, TokenEmbedding
+from ocformer.splitting import Lie, Strang
+
+WIDTH, HIDDEN, LAYERS, TOKENS, VOCAB = 4, 8, 2, 3, 5
+
+
+def _values(seed=0):
+    return init_stacked_params(jr.key(seed), LAYERS, WIDTH, HIDDEN, dtype=jnp.float64)
+
+
+def _transformer(stepper, m, values=None):
+    control = PiecewiseConstant(_values() if values is None else values)
+    return ContinuousTransformer(
+        control,
+        norm="pre",
+        num_heads=2,
+        causal=True,
+        activation="gelu",
+        discretisation=Discretisation(stepper, steps_per_layer=m),
+    )
+
+
+def _sequence(transformer):
+    k1, k2 = jr.split(jr.key(3))
+    return SequenceModel(
+        TokenEmbedding(VOCAB, TOKENS, WIDTH, key=k1, dtype=jnp.float64),
+        transformer,
+        Readout(WIDTH, VOCAB, key=k2, dtype=jnp.float64),
+    )
+
+
+def _batch():
+    inputs = jnp.array([[1, 3, 2], [4, 0, 1]])
+    return {"inputs": inputs, "targets": jnp.roll(inputs, -1, axis=1)}
+
+
+def _u0():
+    return jr.normal(jr.key(1), (TOKENS, WIDTH), jnp.float64)
+
+
+def _loss(u):
+    return jnp.sum(jnp.sin(u) * jnp.arange(1.0, 1.0 + u.shape[-1])[None, :])
+
+
+def _direction(shape, seed):
+    v = jr.normal(jr.key(seed), shape, jnp.float64)
+    return v / jnp.linalg.norm(v)
+
+
+@pytest.mark.parametrize(
+    "stepper", [diffrax.Heun(), Strang(sub_solver="midpoint")], ids=["heun", "strang"]
+)
+def test_step_map_reproduces_the_solve(stepper):
+    """Chaining the step map (Heun steps over the layer jumps, Strang's sub-flows) gives
+    the states diffeqsolve saves, to rounding."""
+    model = _transformer(stepper, 2)
+    steps = StepMap(model, None, jnp.float64)
+    ts, ys = model.trajectory(_u0())
+    np.testing.assert_allclose(np.asarray(chain(steps, _u0())), np.asarray(ys), atol=1e-13)
+    np.testing.assert_allclose(np.asarray(steps.times), np.asarray(ts), atol=1e-13)
+
+
+def test_gradient_check_agrees_with_finite_differences():
+    """Heun, 2 steps per layer, cross-entropy: the exact methods match float64 central
+    differences (h = 1e-5) to 1e-8; optimise-then-discretise differs by its
+    discretisation error (measured 2e-2), which is far above that."""
+    model = _sequence(_transformer(diffrax.Heun(), 2))
+    batch = _batch()
+    from ocformer.objective import Objective
+
+    result = gradient_check(lambda m: Objective()(m, batch)[0], model, directions=3)
+    methods = result["methods"]
+    assert methods["discretise_then_optimise"]["fd_error"] < 1e-8, methods
+    assert methods["direct"]["fd_error"] < 1e-8, methods
+    assert 1e-4 < methods["optimise_then_discretise"]["fd_error"] < 0.5, methods
+    lie = _sequence(_transformer(Lie(), 1))
+    refused = gradient_check(lambda m: Objective()(m, batch)[0], lie, directions=1)
+    assert refused["methods"]["optimise_then_discretise"]["status"] == "refused"
+    assert refused["methods"]["discretise_then_optimise"]["fd_error"] < 1e-8
+
+
+def test_costates_match_finite_differences_through_the_solve():
+    """lambda_n = dJ/du_n. At the layer boundary t = 1 the reference is a central
+    difference of J through the model's own solve of the remaining layer (a model of
+    layer 1 alone, on [1, 2]); at t = 0 it is autodiff of the whole solve."""
+    model = _transformer(diffrax.Heun(), 2)
+    u0 = _u0()
+    result = costates(model, u0, _loss)
+    assert result.costates.shape == (LAYERS * 2 + 1, TOKENS, WIDTH)
+    np.testing.assert_allclose(
+        np.asarray(result.costates[0]),
+        np.asarray(jax.grad(lambda u: _loss(model(u)))(u0)),
+        rtol=1e-12,
+        atol=1e-12,
+    )
+    values = jax.tree.map(lambda x: x[1:], model.control.values)
+    rest = eqx.tree_at(lambda m: m.control, model, PiecewiseConstant(values, t0=1.0))
+    u1 = result.states[2]
+    h = 1e-5
+    for seed in range(2):
+        v = _direction(u1.shape, seed)
+        fd = (_loss(rest(u1 + h * v)) - _loss(rest(u1 - h * v))) / (2 * h)
+        assert abs(float(jnp.vdot(result.costates[2], v)) - float(fd)) < 1e-9
+
+
+def test_substep_costates_match_finite_differences():
+    """Strang on the two pre-LN terms has three sub-flows per step: the costate after
+    each is the central difference of J under a perturbation added there (through the
+    rest of the step and the remaining steps); the last one of a step is the next
+    step's costate."""
+    model = _transformer(Strang(sub_solver="midpoint"), 1)
+    u0 = _u0()
+    result = costates(model, u0, _loss, substeps=True)
+    assert result.sub_costates is not None and result.sub_costates.shape[0] == 2 * 3
+    steps = StepMap(model, None, jnp.float64)
+    np.testing.assert_allclose(
+        np.asarray(result.sub_costates[2::3]), np.asarray(result.costates[1:]), atol=1e-12
+    )
+    h = 1e-5
+    for k in range(3):  # the sub-flows of step 0
+        v = _direction(u0.shape, k)
+
+        def j(eps, k=k, v=v):
+            deltas = jnp.zeros((3, *u0.shape)).at[k].set(eps * v)
+            y1 = steps.nudged(0, u0, deltas)
+            return _loss(steps(1, y1))
+
+        fd = (j(h) - j(-h)) / (2 * h)
+        assert abs(float(jnp.vdot(result.sub_costates[k], v)) - float(fd)) < 1e-9
+
+
+def test_gradient_density_sums_to_the_layer_gradients():
+    """For piecewise-constant controls the density integrated over each layer is
+    dJ/dtheta_k, here against autodiff of the whole solve (Heun, 3 steps per layer)."""
+    model = _transformer(diffrax.Heun(), 3)
+    u0 = _u0()
+    result = gradient_density(model, u0, _loss)
+    assert result.density.shape == (LAYERS * 3,)
+    exact = jax.grad(lambda v: _loss(eqx.tree_at(lambda m: m.control.values, model, v)(u0)))(
+        model.control.values
+    )
+    for a, b in zip(jax.tree.leaves(result.per_layer), jax.tree.leaves(exact)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+
+
+def test_terminal_loss_is_the_objective():
+    from ocformer.objective import Objective
+
+    model = _sequence(_transformer(diffrax.Heun(), 1))
+    u0, key_mask, loss = terminal_loss(model, _batch())
+    assert key_mask is None
+    np.testing.assert_allclose(
+        float(loss(model.transformer(u0))), float(Objective()(model, _batch())[0]), rtol=1e-14
+    )
+
+
+def test_discretisation_study_order_of_heun():
+    """A smooth-control model under Heun at m = 4, 8, 16 against Tsit5 at 64: the
+    distance of u(T) falls at Heun's order (fitted slope 2 +- 0.3); Lie on a smooth
+    pre-LN model converges at order 1."""
+    from ocformer.analysis import fitted_slope
+
+    transformer = study_model("pre", width=WIDTH, hidden=HIDDEN)
+    model = _sequence(transformer)
+    study = discretisation_study(
+        model,
+        _batch(),
+        {f"heun {m}": Discretisation(diffrax.Heun(), steps_per_layer=m) for m in (4, 8, 16)}
+        | {"lie 8": Discretisation(Lie(), steps_per_layer=8)},
+        Discretisation(diffrax.Tsit5(), steps_per_layer=64),
+    )
+    heun = [study["results"][f"heun {m}"] for m in (4, 8, 16)]
+    slope = fitted_slope([1 / 4, 1 / 8, 1 / 16], [r["u_distance"] for r in heun])
+    assert 1.7 < slope < 2.3, heun
+    assert heun[-1]["loss_gap"] < heun[0]["loss_gap"]
+    assert study["results"]["lie 8"]["u_distance"] > heun[1]["u_distance"]
+
+
+def test_token_similarity_against_numpy():
+    model = _transformer(diffrax.Heun(), 1)
+    u0 = _u0()
+    result = token_similarity(model, u0)
+    _, ys = model.trajectory(u0)
+    y = np.asarray(ys[-1])
+    cos = np.array([[a @ b / np.linalg.norm(a) / np.linalg.norm(b) for b in y] for a in y])
+    np.testing.assert_allclose(np.asarray(result.cosine[-1]), cos, atol=1e-13)
+    off = cos[~np.eye(TOKENS, dtype=bool)]
+    np.testing.assert_allclose(float(result.mean[-1]), off.mean(), atol=1e-13)
+    np.testing.assert_allclose(float(result.min[-1]), off.min(), atol=1e-13)
+
+
+def test_lyapunov_exponents_of_a_linear_flow():
+    """u' = A u with A block upper-triangular: eigenvalues 0.3, -0.2 +- 1.5i and -1.0.
+    The finite-time exponents over T = 40 (Tsit5, dt = 0.05) match the real parts
+    0.3, -0.2, -0.2, -1.0 to 0.03 (the finite-time error is O(1/T))."""
+    a = jnp.array(
+        [
+            [0.3, 1.0, 0.5, 0.2],
+            [0.0, -0.2, 1.5, 0.3],
+            [0.0, -1.5, -0.2, 0.4],
+            [0.0, 0.0, 0.0, -1.0],
+        ],
+        jnp.float64,
+    )
+    expected = np.array([0.3, -0.2, -0.2, -1.0])
+    np.testing.assert_allclose(
+        np.sort(np.linalg.eigvals(np.asarray(a)).real)[::-1], expected, atol=1e-12
+    )
+    term = diffrax.ODETerm(lambda t, y, args: a @ y)
+    solver = diffrax.Tsit5()
+    times = jnp.linspace(0.0, 40.0, 801)
+
+    def step(n, y):
+        t0, t1 = times[n], times[n + 1]
+        return solver.step(term, t0, t1, y, None, solver.init(term, t0, t1, y, None), True)[0]
+
+    result = lyapunov_exponents(step, times, jnp.ones(4, jnp.float64), 4)
+    np.testing.assert_allclose(np.asarray(result.exponents), expected, atol=0.03)
+    assert result.running.shape == (800, 4)
+
+
+def test_lyapunov_refinement_converges():
+    """Heun on the transformer's flow: the exponents at m = 1, 2, 4 approach those at
+    m = 8, the distance falling at about Heun's order."""
+    model = _transformer(diffrax.Heun(), 1)
+    result = lyapunov_refinement(model, _u0(), (1, 2, 4, 8), num=2)
+    d = result["distance_to_finest"]
+    assert d[0] > d[1] > d[2] > 0, d
+    assert 1.3 < result["slope"] < 3.0, result
