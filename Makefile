@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint bench train data clean
+.PHONY: setup test lint bench train data clean notebooks lab
 
 setup: $(STAMP)
 
@@ -36,6 +36,25 @@ data: setup
 # re-running resumes from the last checkpoint.
 train: setup data
 	$(BIN)/python -m ocformer.train --config experiments/shakespeare_char.py --workdir runs/shakespeare_char
+
+# The notebooks (notebooks/*.py, jupytext percent format) executed at full size: rewrites
+# each .ipynb with its outputs and writes the figures to docs/figures/*.png.
+NOTEBOOKS := 01_tour 02_adjoint_gradients 03_convergence 04_continuum_limit 05_token_dynamics
+NB_STAMP := $(VENV)/.notebooks
+
+$(NB_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,dev,notebooks]'
+	touch $(NB_STAMP)
+
+notebooks: $(NB_STAMP)
+	mkdir -p docs/figures
+	cd notebooks && for nb in $(NOTEBOOKS); do \
+		OCFORMER_FIGURES=$(CURDIR)/docs/figures ../$(BIN)/jupytext --to ipynb --execute $$nb.py || exit 1; \
+	done
+
+# Open the notebooks in JupyterLab (plots inline).
+lab: $(NB_STAMP)
+	$(BIN)/jupyter lab notebooks
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

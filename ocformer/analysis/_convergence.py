@@ -311,14 +311,23 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_study(result: dict, path: str) -> None:
-    """A log-log plot of error against step size (or epsilon), saved to ``path``."""
-    import matplotlib
+def plot_study(result: dict, path: str | None = None, ax=None):
+    """A log-log plot of error against step size (or epsilon), with the fitted slopes.
 
-    matplotlib.use("Agg")
+    Args:
+        result: a ``convergence_study`` result.
+        path: also save the figure here (PNG).
+        ax: draw on these matplotlib axes (default: a new figure).
+
+    Returns:
+        The matplotlib figure.
+    """
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 4))
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(5, 4))
+    else:
+        fig = ax.figure
     if "relaxation" in result:
         r = result["relaxation"]
         ax.loglog(r["epsilons"], r["errors"], "o-", label=f"slope {r['slope']:.2f}")
@@ -331,8 +340,9 @@ def plot_study(result: dict, path: str) -> None:
         ax.set_xlabel("dt")
     ax.set_ylabel("error at T")
     ax.set_title(f"formulation={result['formulation']}")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if path is not None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    return fig

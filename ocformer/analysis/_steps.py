@@ -10,6 +10,9 @@ of ``ContinuousTransformer.trajectory`` to rounding (``tests/test_analysis.py`` 
 1e-12).
 """
 
+import dataclasses
+
+import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -196,6 +199,17 @@ class StepMap(eqx.Module):
         if calls.n != deltas.shape[0]:
             raise AssertionError(f"{calls.n} sub-flows traced, {deltas.shape[0]} expected.")
         return y1
+
+
+def _forward_differentiable(stepper):
+    """The same solver with its stages in a ``lax.scan``: diffrax's default checkpointed
+    stage loop has no forward-mode derivative, and the Lyapunov exponents need one (the
+    numbers are the same)."""
+    if isinstance(stepper, ProjectedSolver):
+        return ProjectedSolver(_forward_differentiable(stepper.solver))
+    if isinstance(stepper, diffrax.AbstractRungeKutta):
+        return dataclasses.replace(stepper, scan_kind="lax")
+    return stepper
 
 
 def chain(steps: StepMap, u0) -> Float[Array, "steps+1 *batch N d"]:
