@@ -7,6 +7,7 @@ keeps the equation (``ContinuousTransformer``) apart from its numerics
 (``Discretisation``).
 """
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from .config import Config as Config
@@ -24,7 +25,16 @@ from .models import (
     refine as refine,
 )
 from .splitting import Hybrid as Hybrid, Lie as Lie, Parallel as Parallel, Strang as Strang
-from .training import train as train
+
+
+def __getattr__(name: str):
+    # `ocformer.train` is the command-line module, callable as the library's train
+    # function. It is imported on first use rather than here, so that
+    # `python -m ocformer.train` does not find it already imported (runpy warns).
+    if name == "train":
+        return importlib.import_module(".train", __name__)
+    raise AttributeError(f"module 'ocformer' has no attribute {name!r}")
+
 
 try:
     __version__ = _version("ocformer")

@@ -11,6 +11,9 @@ SIGTERM (checkpoint written).
 
 import argparse
 import sys
+import types
+
+from .training import train as _train
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -80,6 +83,19 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(130, "interrupted")
     return ExitCode.OK
 
+
+class _TrainModule(types.ModuleType):
+    """``ocformer.train`` is both the command line and the library entry point:
+    ``from ocformer import train; train(config, workdir)`` runs
+    ``ocformer.training.train``, and ``train.main(argv)`` the command line. (A module
+    and a function of one name would otherwise shadow each other, depending on import
+    order.)"""
+
+    def __call__(self, config, workdir, **kwargs):
+        return _train(config, workdir, **kwargs)
+
+
+sys.modules[__name__].__class__ = _TrainModule
 
 if __name__ == "__main__":
     sys.exit(int(main()))
