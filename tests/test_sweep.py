@@ -513,3 +513,19 @@ def test_point_job_requeues_itself_with_the_same_point():
     point = {"name": "p"}
     delayed = job.checkpoint(point)
     assert delayed.function is job and delayed.args == (point,)
+
+
+def test_progress_line_counts_and_eta():
+    import threading
+    import time
+
+    from ocformer.sweeping._run import Progress
+
+    stream = io.StringIO()
+    progress = Progress(total=5, parallel=2, skipped=1, stream=stream)
+    assert progress.line().startswith("sweep: 1/5 done, 0 running, 0 failed, ETA ?")
+    progress.running, progress.times = 1, [10.0]
+    progress.done, progress.failed = 2, 1
+    progress.starts = {threading.get_ident(): time.perf_counter() - 4.0}
+    # One point not started (10 s) plus the running one's remaining ~6 s, over 2 workers.
+    assert progress.line().startswith("sweep: 2/5 done, 1 running, 1 failed, ETA 8s")
