@@ -33,6 +33,7 @@ from ..models._pretrained import (
     TokenTypeEmbedding,
 )
 from ..models._transformer import ContinuousTransformer
+from ..operators import Activation
 from ..splitting import Lie
 from ._layers import from_layers, to_layers
 
@@ -42,7 +43,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # Hugging Face activation names -> the feed-forward sub-step. "gelu" is the exact (erf)
 # GELU; "gelu_new" and "gelu_pytorch_tanh" are its tanh approximation (GPT-2).
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Activation] = {
     "gelu": "gelu",
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -162,7 +163,7 @@ def _require(config: dict, key: str, allowed, default) -> None:
         )
 
 
-def _activation(config: dict, key: str) -> str:
+def _activation(config: dict, key: str) -> Activation:
     name = config.get(key)
     if name not in _ACTIVATIONS:
         raise ValueError(
@@ -354,7 +355,7 @@ def _bert_build(c, t, heads):
         activation=_activation(c, "hidden_act"),
         ln_eps=eps,
     )
-    dtype = transformer.control.values.attention.wq.dtype
+    dtype = transformer.layer(0).attention.wq.dtype
     e = lambda k: jnp.asarray(t[f"embeddings.{k}"], dtype)  # noqa: E731
     embedding = TokenTypeEmbedding(
         tokens=e("word_embeddings.weight"),
@@ -503,7 +504,7 @@ def _vit_build(c, t, heads):
         ln_eps=_eps(c, "layer_norm_eps"),
         final_norm=_norm_dict(t, "layernorm"),
     )
-    dtype = transformer.control.values.attention.wq.dtype
+    dtype = transformer.layer(0).attention.wq.dtype
     image, patch, channels = _vit_sizes(c)
     w = t["embeddings.patch_embeddings.projection.weight"]  # (d, C, p, p)
     d = w.shape[0]
