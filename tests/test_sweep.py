@@ -373,7 +373,7 @@ def test_smoke_sweep_runs_skips_and_grows(tmp_path, compile_cache, capsys):
     table = read_csv(out / "results.csv")
     assert [(r["model.num_layers"], r["evaluation"], r["status"]) for r in table][:2] == [
         ("1", "trained", "done"),
-        ("1", table[1]["evaluation"], "done"),
+        ("1", "eval_steps=2", "done"),
     ]
     assert table[2]["status"] == table[3]["status"] == "pending"
     first = read_status(out / "points" / table[0]["point"])

@@ -113,7 +113,8 @@ def plan(
 
     Returns:
         The sweep, the ``sweep.json`` record (all points) and the points selected to
-        run (``only``).
+        run (``only``). Every point is resolved and validated; the unfinished selected
+        ones are also built (``build=True``), as ``ocformer.train`` would build them.
 
     Raises:
         SweepError: before anything runs or is written.
@@ -121,11 +122,13 @@ def plan(
     sweep, path, arg = load_sweep(spec)
     experiment, points = resolve_points(sweep, path, seeds=seeds)
     selected = {p.name for p in resolve_points(sweep, path, seeds=seeds, only=only)[1]}
-    if build:
-        check_buildable(path, points)
     check_workdir(workdir, sweep_id(path, arg))
     info = sweep_info(sweep, path, arg, experiment, points, argv)
     todo = [p for p in info["points"] if p["name"] in selected]
+    if build:
+        # Finished points were built when they ran.
+        pending = {p["name"] for p in todo if not is_finished(workdir, p)}
+        check_buildable(path, [p for p in points if p.name in pending])
     return sweep, info, todo
 
 

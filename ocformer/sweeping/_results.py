@@ -112,7 +112,7 @@ def rows(sweep_dir: str, info: dict) -> list[dict]:
             values = {**trained_values, **e["settings"]}
             erow = {
                 **base,
-                "evaluation": e["name"],
+                "evaluation": " ".join(f"{k}={v}" for k, v in e["labels"].items()),
                 **{f"eval.{f}": values[f] for f in eval_fields},
                 "status": result.get("status", "done" if result else "pending"),
                 "exit_code": result.get("exit_code", 0 if result else None),
