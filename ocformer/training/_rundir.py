@@ -140,6 +140,8 @@ class RunDirectory:
             names = sorted(os.listdir(self.path))
         except OSError as e:
             raise WorkdirError(f"work directory {self.path} cannot be read: {e.strerror}") from None
+        # A marker's own temporary file (a claim cut short by a kill) is ocformer's too.
+        names = [n for n in names if not n.startswith(f"{RUN_MARKER}.tmp-")]
         if names and RUN_MARKER not in names:
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
             raise WorkdirError(
