@@ -529,3 +529,49 @@ def test_progress_line_counts_and_eta():
     progress.starts = {threading.get_ident(): time.perf_counter() - 4.0}
     # One point not started (10 s) plus the running one's remaining ~6 s, over 2 workers.
     assert progress.line().startswith("sweep: 2/5 done, 1 running, 1 failed, ETA 8s")
+
+
+# -- evaluation ----------------------------------------------------------------------
+
+
+def test_evaluate_refuses_non_discretisation_fields_and_non_runs(tmp_path, capsys):
+    from ocformer.evaluate import main as evaluate_main
+
+    assert evaluate_main([str(tmp_path), "--set", "model.width=8"]) == 2
+    err = capsys.readouterr().err
+    assert "model.width: evaluation may change only the discretisation" in err
+    assert evaluate_main([str(tmp_path)]) == 2
+    assert "is not an ocformer work directory" in capsys.readouterr().err
+
+
+def test_rediscretise_keeps_every_trained_array():
+    import equinox as eqx
+    import jax
+    import jax.tree_util as jtu
+
+    from ocformer.config import apply_overrides, validate
+    from ocformer.evaluation import rediscretise
+    from ocformer.training import build
+
+    config = resolve(SMOKE_EXPERIMENT, ["model.num_layers=2"])
+    trained = build(config).model
+    # A model built with another seed stands in for the trained one: different arrays.
+    other = build(apply_overrides(config, ["train.seed=7"])).model
+    finer = build(validate(apply_overrides(config, [f"{STEPS_PER_LAYER}=4"]))).model
+    moved = rediscretise(other, finer)
+    assert moved.transformer.steps_per_layer == 4
+    want = [x for x in jtu.tree_leaves(other) if eqx.is_array(x)]
+    got = [x for x in jtu.tree_leaves(moved) if eqx.is_array(x)]
+    assert len(got) == len(want) and all(
+        (a == b).all() for a, b in zip(jax.device_get(got), jax.device_get(want))
+    )
+    assert not all(
+        (a == b).all()
+        for a, b in zip(
+            jax.device_get([x for x in jtu.tree_leaves(trained) if eqx.is_array(x)]),
+            jax.device_get(want),
+        )
+    )
+    wider = build(apply_overrides(config, ["model.width=32"])).model
+    with pytest.raises(ValueError, match=r"cannot re-discretise: array .* the change alters"):
+        rediscretise(other, wider)
