@@ -359,3 +359,15 @@ def test_a_claim_cut_short_is_not_foreign(tmp_path):
     (tmp_path / "x.txt").write_text("")
     with pytest.raises(WorkdirError, match=rf"it holds x.txt; no {RUN_MARKER}"):
         RunDirectory(tmp_path).check(config)
+
+
+def test_rows_lost_before_the_checkpoint_are_reported(reference, tmp_path, capsys):
+    """Rows cut from a finished run cannot be recomputed: the resumed run says which."""
+    workdir = copy_of(reference, tmp_path)
+    path = workdir / "metrics.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:5]))
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 0
+    err = capsys.readouterr().err
+    assert f"ends at step 5 but the restored checkpoint is step {STEPS}" in err
+    assert f"steps 6..{STEPS} are missing" in err

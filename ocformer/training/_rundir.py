@@ -208,6 +208,14 @@ class RunDirectory:
         self._record(config, argv, step, changes or {})
         for warning in self.metrics.repair(step or 0):
             _warn(warning)
+        records = self.metrics.read()
+        last = records[-1]["step"] if records else 0
+        if step is not None and last < step - config.train.log_every:
+            _warn(
+                f"{self.metrics.path} ends at step {last} but the restored checkpoint is "
+                f"step {step}: the records of steps {last + 1}..{step} are missing from the "
+                "file and cannot be recovered"
+            )
         rewind_samples(self.samples_path, step or 0)
         has_events = os.path.isdir(self.tb_path) and bool(os.listdir(self.tb_path))
         # purge_step hides events logged after the restored step, so curves do not
