@@ -575,3 +575,13 @@ def test_rediscretise_keeps_every_trained_array():
     wider = build(apply_overrides(config, ["model.width=32"])).model
     with pytest.raises(ValueError, match=r"cannot re-discretise: array .* the change alters"):
         rediscretise(other, wider)
+
+
+def test_slurm_launch_without_slurm_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    out = tmp_path / "out"
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(out), "--launcher", "slurm"]) == 2
+    assert "no SLURM on this machine (sbatch not found)" in capsys.readouterr().err
+    assert not out.exists()
