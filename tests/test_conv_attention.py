@@ -7,6 +7,9 @@ with unit kernels it must be plain ``Attention``; inside a continuous Transforme
 (pre-LN, Lie, one step per layer) it must equal a layer-by-layer numpy stack.
 """
 
+import importlib.util
+import os
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -159,3 +162,17 @@ def test_cvt_stack_is_a_discretisation(rng):
     assert isinstance(fine.attention, ConvAttention) and fine.steps_per_layer == 4
     assert fine.control.values.attention.kq is kernels.kq
     assert 1e-3 < rel_err(fine(jnp.asarray(u0)), ref) < 1.0
+
+
+def test_digits_cvt_experiment_one_step():
+    """experiments/digits_cvt.py builds the CvT model and takes a training step."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", "digits_cvt.py")
+    spec = importlib.util.spec_from_file_location("digits_cvt", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _, model = module.build_cvt(module.get_config())
+    assert isinstance(model.transformer.attention, ConvAttention)
+    assert model.transformer.control.values.attention.kq.shape == (4, 3, 3, 64)
+    result = module.main(["--steps", "1"])
+    assert result["step"] == 1 and np.isfinite(result["val_loss"])

@@ -61,7 +61,8 @@ def command(workdir, *overrides, flags=()):
     return cmd + list(flags)
 
 
-def run(env, workdir, *overrides, flags=(), timeout=240):
+# Generous limits: they only stop a hung run, and a loaded machine can be slow.
+def run(env, workdir, *overrides, flags=(), timeout=900):
     return subprocess.run(
         command(workdir, *overrides, flags=flags),
         env=env,
@@ -97,7 +98,7 @@ def lines_written(workdir) -> int:
         return 0
 
 
-def wait_until(predicate, proc, timeout=180.0, poll=0.002):
+def wait_until(predicate, proc, timeout=900.0, poll=0.002):
     t0 = time.monotonic()
     while not predicate():
         if proc.poll() is not None:
@@ -112,6 +113,15 @@ def wait_until(predicate, proc, timeout=180.0, poll=0.002):
 def losses(records) -> dict[int, tuple]:
     keys = ("loss", "grad_norm", "lr", "val_loss", "val_accuracy")
     return {r["step"]: tuple(r.get(k) for k in keys) for r in records}
+
+
+@pytest.fixture
+def rng():
+    """A seeded generator for the random kill moments; the seed is printed (and shown
+    with a failure) so that a failing draw can be replayed: OCFORMER_TEST_SEED=<seed>."""
+    seed = int(os.environ.get("OCFORMER_TEST_SEED", random.randrange(2**32)))
+    print(f"random seed {seed} (replay with OCFORMER_TEST_SEED={seed})")
+    return random.Random(seed)
 
 
 @pytest.fixture(scope="session")
@@ -145,10 +155,10 @@ def test_fresh_runs_are_bitwise_equal_and_reproducible(env, reference, tmp_path)
     assert os.listdir(os.path.join(ref_dir, "tb"))
 
 
-def test_sigkill_between_checkpoints_resumes_bit_for_bit(env, reference, tmp_path):
+def test_sigkill_between_checkpoints_resumes_bit_for_bit(env, reference, tmp_path, rng):
     _, ref = reference
     workdir = tmp_path / "killed"
-    kill_at = random.Random().randrange(13, 48)
+    kill_at = rng.randrange(13, 48)
     if kill_at % 10 == 0:
         kill_at += 3
     proc = start(env, workdir)
@@ -184,13 +194,12 @@ def _committed_arrays_are_complete(ckpt_dir) -> list[int]:
     return steps
 
 
-def test_sigkill_during_saves_never_restores_a_torn_checkpoint(env, reference, tmp_path):
+def test_sigkill_during_saves_never_restores_a_torn_checkpoint(env, reference, tmp_path, rng):
     """Save every step, kill at random moments (mostly inside a save), resume each time;
     the finished run equals the uninterrupted one bit for bit."""
     _, ref = reference
     workdir = tmp_path / "torn"
     ckpt_dir = os.path.join(workdir, "checkpoints")
-    rng = random.Random()
     every_step = ("train.checkpoint_every=1", "train.keep_checkpoints=2")
     for _ in range(3):
         before = lines_written(workdir)
@@ -227,13 +236,12 @@ while True:
 """
 
 
-def test_many_kills_during_orbax_saves(tmp_path):
+def test_many_kills_during_orbax_saves(tmp_path, rng):
     """At least 10 SIGKILLs at random moments of saves: a committed checkpoint is always
     complete and correct, interrupted ones are cleaned up, and the newest committed one
     is the resume point."""
     directory = str(tmp_path / "ckpt")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    rng = random.Random()
     torn_seen = 0
     last = 0
     for _ in range(11):
@@ -271,16 +279,16 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_143(env, tmp_path):
     long_run = (
         "train.steps=100000",
         "train.checkpoint_every=100000",
-        "train.preempt_grace_s=60",
+        "train.preempt_grace_s=300",
         "optimiser.schedule=constant",
     )
     proc = start(env, workdir, *long_run)
     wait_until(lambda: lines_written(workdir) >= 5, proc)
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=600)
+    # 143 with a checkpoint of the step it stopped after: the grace period did not run
+    # out (that exit would leave no new checkpoint).
     assert proc.returncode == 143, err
-    assert time.monotonic() - t0 < 60
     stopped = metrics(workdir)[-1]["step"]
     assert re.search(rf"preempted \(SIGTERM\) after step {stopped}", err), err
     assert CheckpointManager(os.path.join(workdir, "checkpoints")).steps() == [stopped]
@@ -345,7 +353,7 @@ def test_nan_abort_in_a_real_process_exits_4_naming_the_resume_point(env, tmp_pa
     workdir = tmp_path / "nan"
     helper = os.path.join(ROOT, "tests", "_faults.py")
     cmd = [sys.executable, helper, "--nan-at", "13", "--", *command(workdir)[3:]]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 4, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr

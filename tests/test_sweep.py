@@ -373,7 +373,7 @@ def test_smoke_sweep_runs_skips_and_grows(tmp_path, compile_cache, capsys):
     table = read_csv(out / "results.csv")
     assert [(r["model.num_layers"], r["evaluation"], r["status"]) for r in table][:2] == [
         ("1", "trained", "done"),
-        ("1", table[1]["evaluation"], "done"),
+        ("1", "eval_steps=2", "done"),
     ]
     assert table[2]["status"] == table[3]["status"] == "pending"
     first = read_status(out / "points" / table[0]["point"])
@@ -513,3 +513,75 @@ def test_point_job_requeues_itself_with_the_same_point():
     point = {"name": "p"}
     delayed = job.checkpoint(point)
     assert delayed.function is job and delayed.args == (point,)
+
+
+def test_progress_line_counts_and_eta():
+    import threading
+    import time
+
+    from ocformer.sweeping._run import Progress
+
+    stream = io.StringIO()
+    progress = Progress(total=5, parallel=2, skipped=1, stream=stream)
+    assert progress.line().startswith("sweep: 1/5 done, 0 running, 0 failed, ETA ?")
+    progress.running, progress.times = 1, [10.0]
+    progress.done, progress.failed = 2, 1
+    progress.starts = {threading.get_ident(): time.perf_counter() - 4.0}
+    # One point not started (10 s) plus the running one's remaining ~6 s, over 2 workers.
+    assert progress.line().startswith("sweep: 2/5 done, 1 running, 1 failed, ETA 8s")
+
+
+# -- evaluation ----------------------------------------------------------------------
+
+
+def test_evaluate_refuses_non_discretisation_fields_and_non_runs(tmp_path, capsys):
+    from ocformer.evaluate import main as evaluate_main
+
+    assert evaluate_main([str(tmp_path), "--set", "model.width=8"]) == 2
+    err = capsys.readouterr().err
+    assert "model.width: evaluation may change only the discretisation" in err
+    assert evaluate_main([str(tmp_path)]) == 2
+    assert "is not an ocformer work directory" in capsys.readouterr().err
+
+
+def test_rediscretise_keeps_every_trained_array():
+    import equinox as eqx
+    import jax
+    import jax.tree_util as jtu
+
+    from ocformer.config import apply_overrides, validate
+    from ocformer.evaluation import rediscretise
+    from ocformer.training import build
+
+    config = resolve(SMOKE_EXPERIMENT, ["model.num_layers=2"])
+    trained = build(config).model
+    # A model built with another seed stands in for the trained one: different arrays.
+    other = build(apply_overrides(config, ["train.seed=7"])).model
+    finer = build(validate(apply_overrides(config, [f"{STEPS_PER_LAYER}=4"]))).model
+    moved = rediscretise(other, finer)
+    assert moved.transformer.steps_per_layer == 4
+    want = [x for x in jtu.tree_leaves(other) if eqx.is_array(x)]
+    got = [x for x in jtu.tree_leaves(moved) if eqx.is_array(x)]
+    assert len(got) == len(want) and all(
+        (a == b).all() for a, b in zip(jax.device_get(got), jax.device_get(want))
+    )
+    assert not all(
+        (a == b).all()
+        for a, b in zip(
+            jax.device_get([x for x in jtu.tree_leaves(trained) if eqx.is_array(x)]),
+            jax.device_get(want),
+        )
+    )
+    wider = build(apply_overrides(config, ["model.width=32"])).model
+    with pytest.raises(ValueError, match=r"cannot re-discretise: array .* the change alters"):
+        rediscretise(other, wider)
+
+
+def test_slurm_launch_without_slurm_is_refused_before_writing(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    out = tmp_path / "out"
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(out), "--launcher", "slurm"]) == 2
+    assert "no SLURM on this machine (sbatch not found)" in capsys.readouterr().err
+    assert not out.exists()

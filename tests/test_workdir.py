@@ -21,6 +21,7 @@ from ocformer.training import (
     RUN_MARKER,
     ConfigChanged,
     RunDirectory,
+    WorkdirError,
     _loop,
     make_schedule,
     train,
@@ -296,7 +297,7 @@ def test_metrics_repair_keeps_intact_files_byte_for_byte(tmp_path):
     assert MetricsLog(str(path)).repair(2) == [] and path.read_text() == text
     path.write_text(text + '{"step": 3, "lo')
     warnings = MetricsLog(str(path)).repair(2)
-    assert len(warnings) == 1 and "partial last line (12 bytes)" in warnings[0]
+    assert len(warnings) == 1 and "partial last line (15 bytes)" in warnings[0]
     assert path.read_text() == text
     path.write_text(text + '{"step": 3}\nnot json\n')
     warnings = MetricsLog(str(path)).repair(1)
@@ -347,3 +348,26 @@ def test_empty_directory_is_claimed_and_marked(tmp_path):
     assert sorted(os.listdir(tmp_path / "run")) == [
         "config.json", RUN_MARKER, "run.json", "tb"
     ]  # fmt: skip
+
+
+def test_a_claim_cut_short_is_not_foreign(tmp_path):
+    """A kill between writing the marker's temporary file and renaming it leaves only
+    that file: the directory is still ocformer's to claim."""
+    (tmp_path / f"{RUN_MARKER}.tmp-999").write_text("{")
+    config = resolve(SMOKE, BASE)
+    assert RunDirectory(tmp_path).check(config) == {}
+    (tmp_path / "x.txt").write_text("")
+    with pytest.raises(WorkdirError, match=rf"it holds x.txt; no {RUN_MARKER}"):
+        RunDirectory(tmp_path).check(config)
+
+
+def test_rows_lost_before_the_checkpoint_are_reported(reference, tmp_path, capsys):
+    """Rows cut from a finished run cannot be recomputed: the resumed run says which."""
+    workdir = copy_of(reference, tmp_path)
+    path = workdir / "metrics.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:5]))
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 0
+    err = capsys.readouterr().err
+    assert f"ends at step 5 but the restored checkpoint is step {STEPS}" in err
+    assert f"steps 6..{STEPS} are missing" in err

@@ -33,6 +33,7 @@ from ..models._pretrained import (
     TokenTypeEmbedding,
 )
 from ..models._transformer import ContinuousTransformer
+from ..operators import Activation
 from ..splitting import Lie
 from ._layers import from_layers, to_layers
 
@@ -42,7 +43,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # Hugging Face activation names -> the feed-forward sub-step. "gelu" is the exact (erf)
 # GELU; "gelu_new" and "gelu_pytorch_tanh" are its tanh approximation (GPT-2).
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Activation] = {
     "gelu": "gelu",
     "gelu_new": "gelu_tanh",
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -162,7 +163,7 @@ def _require(config: dict, key: str, allowed, default) -> None:
         )
 
 
-def _activation(config: dict, key: str) -> str:
+def _activation(config: dict, key: str) -> Activation:
     name = config.get(key)
     if name not in _ACTIVATIONS:
         raise ValueError(
@@ -354,7 +355,7 @@ def _bert_build(c, t, heads):
         activation=_activation(c, "hidden_act"),
         ln_eps=eps,
     )
-    dtype = transformer.control.values.attention.wq.dtype
+    dtype = transformer.layer(0).attention.wq.dtype
     e = lambda k: jnp.asarray(t[f"embeddings.{k}"], dtype)  # noqa: E731
     embedding = TokenTypeEmbedding(
         tokens=e("word_embeddings.weight"),
@@ -503,7 +504,7 @@ def _vit_build(c, t, heads):
         ln_eps=_eps(c, "layer_norm_eps"),
         final_norm=_norm_dict(t, "layernorm"),
     )
-    dtype = transformer.control.values.attention.wq.dtype
+    dtype = transformer.layer(0).attention.wq.dtype
     image, patch, channels = _vit_sizes(c)
     w = t["embeddings.patch_embeddings.projection.weight"]  # (d, C, p, p)
     d = w.shape[0]
@@ -629,13 +630,16 @@ def _canonical(name: str, prefix: str) -> str:
 
 
 def _match(
-    found: dict[str, tuple[tuple[int, ...], str, str]], family: _Family, config: dict
+    found: dict[str, tuple[tuple[int, ...], str, str]],
+    family: _Family,
+    config: dict,
+    ignore: tuple[str, ...],
 ) -> tuple[dict[str, str], frozenset[str]]:
     """Canonical name -> file name, and the heads present; every mismatch named."""
     required, heads = family.shapes(config)
     names: dict[str, str] = {}
     for name in found:
-        if _BUFFERS.search(name):
+        if _BUFFERS.search(name) or name.startswith(ignore):
             continue
         canonical = _canonical(name, family.prefix)
         if canonical in names:
@@ -660,7 +664,8 @@ def _match(
         raise ValueError(
             f"The {model_type} checkpoint does not match its config.json: "
             f"{'; '.join(parts)}. Supported heads for {model_type}: "
-            f"{sorted(heads) or 'none'}; other heads must be removed from the file."
+            f"{sorted(heads) or 'none'}; leave other heads out by name prefix with "
+            "from_pretrained(path, ignore=('cls.',)) (for example)."
         )
     for canonical, shape in expected.items():
         got = found[names[canonical]][0]
@@ -708,7 +713,9 @@ def _read(files: list[str], names: dict[str, str], dtype: np.dtype) -> dict[str,
 # The public functions.
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=None) -> PretrainedModel:
+def from_pretrained(
+    path: str | os.PathLike, *, dtype=None, ignore: tuple[str, ...] = ()
+) -> PretrainedModel:
     """A local Hugging Face checkpoint of GPT-2, BERT or ViT as a continuous model.
 
     The embedding is the initial condition f; the layers become piecewise-constant
@@ -725,6 +732,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None) -> PretrainedModel:
         path: the checkpoint directory (what ``save_pretrained`` writes).
         dtype: floating dtype of the model; None keeps the checkpoint's (float32 for
             half-precision checkpoints). float64 needs ``jax_enable_x64``.
+        ignore: name prefixes of tensors to leave out, for heads ocformer does not
+            import (e.g. ``("cls.",)`` for BERT's pre-training heads on the Hub); by
+            default every tensor must be accounted for.
 
     Returns:
         A ``PretrainedModel``: ``logits(inputs)`` (images channels-last for ViT),
@@ -741,7 +751,9 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None) -> PretrainedModel:
     family = _family(config)
     files = _weight_files(path)
     found = _tensor_shapes(files)
-    names, heads = _match(found, family, config)
+    if isinstance(ignore, str) or not all(isinstance(p, str) and p for p in ignore):
+        raise ValueError(f"ignore must be a tuple of non-empty name prefixes, got {ignore!r}.")
+    names, heads = _match(found, family, config, tuple(ignore))
     target = _target_dtype(dtype, found, names)
     tensors = _read(files, names, target)
     parts = family.build(config, tensors, heads)

@@ -60,7 +60,10 @@ def with_conv_projections(
         num_layers, d = att.wq.shape[0], att.wq.shape[-1]
         k = kernel_size
         unit = jnp.zeros((num_layers, k, k, d), att.wq.dtype).at[:, k // 2, k // 2].set(1)
-        keys = jr.split(key, 3) if init_scale > 0 else (None,) * 3
+        keys = (None,) * 3
+        if init_scale > 0:
+            assert key is not None  # checked above
+            keys = tuple(jr.split(key, 3))
         kernels = tuple(
             unit
             if sub is None
@@ -73,7 +76,7 @@ def with_conv_projections(
     )  # fmt: skip
     operator = ConvAttention(
         num_heads=transformer.attention.num_heads,
-        token_grid=tuple(token_grid),
+        token_grid=(int(token_grid[0]), int(token_grid[1])),
         num_prefix=num_prefix,
         grid=transformer.attention.grid,
     )

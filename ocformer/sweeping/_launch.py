@@ -13,7 +13,7 @@ from ..checkpointing import atomic_write_text
 from ._points import Point, check_buildable, resolve_points
 from ._results import report
 from ._run import is_finished, point_dir, read_status, run_local
-from ._slurm import job_script, slurm_options, submit
+from ._slurm import executor_for, job_script, require_slurm, slurm_options, submit
 from ._spec import SEED_FIELD, Sweep, SweepError, load_sweep
 
 _SWEEP_FILE = "sweep.json"
@@ -113,7 +113,8 @@ def plan(
 
     Returns:
         The sweep, the ``sweep.json`` record (all points) and the points selected to
-        run (``only``).
+        run (``only``). Every point is resolved and validated; the unfinished selected
+        ones are also built (``build=True``), as ``ocformer.train`` would build them.
 
     Raises:
         SweepError: before anything runs or is written.
@@ -121,11 +122,13 @@ def plan(
     sweep, path, arg = load_sweep(spec)
     experiment, points = resolve_points(sweep, path, seeds=seeds)
     selected = {p.name for p in resolve_points(sweep, path, seeds=seeds, only=only)[1]}
-    if build:
-        check_buildable(path, points)
     check_workdir(workdir, sweep_id(path, arg))
     info = sweep_info(sweep, path, arg, experiment, points, argv)
     todo = [p for p in info["points"] if p["name"] in selected]
+    if build:
+        # Finished points were built when they ran.
+        pending = {p["name"] for p in todo if not is_finished(workdir, p)}
+        check_buildable(path, [p for p in points if p.name in pending])
     return sweep, info, todo
 
 
@@ -176,6 +179,8 @@ def run_sweep(
     stream = sys.stdout if stream is None else stream
     if launcher not in ("local", "slurm"):
         raise SweepError("--launcher", f"expected local or slurm, got {launcher!r}")
+    if launcher == "slurm" and executor is None and not dry_run:
+        require_slurm()  # before the points are built
     workdir = os.path.abspath(workdir)
     sweep, info, todo = plan(spec, workdir=workdir, seeds=seeds, only=only, argv=argv)
     pending = [p for p in todo if not is_finished(workdir, p)]
@@ -194,20 +199,17 @@ def run_sweep(
             print("--- job script (one array task per point) ---", file=stream)
             print(job_script(workdir, max(len(pending), 1), options), file=stream)
         return 0
+    if launcher == "slurm" and executor is None and pending:
+        executor = executor_for(workdir, slurm_options(sweep.slurm, slurm or {}))
     os.makedirs(workdir, exist_ok=True)
     atomic_write_text(os.path.join(workdir, _SWEEP_FILE), json.dumps(info, indent=2) + "\n")
     if launcher == "slurm":
-        options = slurm_options(sweep.slurm, slurm or {})
         if not pending:
             print(
                 f"sweep: all {len(todo)} selected points finished; nothing to submit", file=stream
             )
             report(workdir)
             return 0
-        if executor is None:
-            from ._slurm import executor_for
-
-            executor = executor_for(workdir, options)
         jobs = submit(workdir, pending, executor)
         print(
             f"sweep: submitted {len(jobs)} array tasks (job {jobs[0].job_id.split('_')[0]}); "

@@ -31,6 +31,19 @@ METRICS: tuple[str, ...] = (
 )
 """The measured columns of ``results.csv``, in order."""
 
+_PLOTS = (
+    "final_val_loss",
+    "best_val_loss",
+    "final_val_accuracy",
+    "train_steps_per_s",
+    "wall_time_s",
+    "compile_time_s",
+    "peak_rss_mb",
+    "solver_steps",
+    "rejected_steps",
+    "nfe",
+)
+_EVAL_PLOTS = ("final_val_loss", "final_val_accuracy", "solver_steps", "rejected_steps", "nfe")
 _LOWER_IS_BETTER_LOG = ("final_val_loss", "best_val_loss", "nfe", "solver_steps")
 
 
@@ -112,7 +125,7 @@ def rows(sweep_dir: str, info: dict) -> list[dict]:
             values = {**trained_values, **e["settings"]}
             erow = {
                 **base,
-                "evaluation": e["name"],
+                "evaluation": " ".join(f"{k}={v}" for k, v in e["labels"].items()),
                 **{f"eval.{f}": values[f] for f in eval_fields},
                 "status": result.get("status", "done" if result else "pending"),
                 "exit_code": result.get("exit_code", 0 if result else None),
@@ -229,7 +242,6 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
 
     keys = _group_keys(info)
     varying = [k for k in keys if len({json.dumps(g[k]) for g in groups}) > 1]
-    metrics = [m for m in METRICS if any(g[m] is not None for g in groups)]
     os.makedirs(folder, exist_ok=True)
     written = []
     for x in varying:
@@ -237,6 +249,11 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
         numeric = all(_is_number(v) for v in xs_all)
         categories = sorted({json.dumps(v) for v in xs_all})
         others = [k for k in varying if k != x]
+        # Along an evaluation axis only what the evaluation measures changes.
+        candidates = _EVAL_PLOTS if x.startswith("eval.") else _PLOTS
+        metrics = [
+            m for m in candidates if len({json.dumps(g[x]) for g in groups if g[m] is not None}) > 1
+        ]
         for m in metrics:
             fig, ax = plt.subplots(figsize=(5.5, 3.8))
             lines: dict[tuple, list] = {}

@@ -239,6 +239,7 @@ class Progress:
         self.total, self.parallel, self.stream = total, parallel, stream
         self.done, self.failed, self.running, self.skipped = skipped, 0, 0, skipped
         self.times: list[float] = []
+        self.starts: dict[int, float] = {}  # running points by thread: start time
         self.started = time.perf_counter()
         self.lock = threading.Lock()
         self.last = ""
@@ -248,9 +249,13 @@ class Progress:
         left = self.total - self.done - self.failed
         eta = "?"
         if self.times:
+            # Work left: the points not started, plus what the running ones still need
+            # at the mean time per point; shared by the workers.
             per_point = sum(self.times) / len(self.times)
             waiting = max(left - self.running, 0)
-            eta = _fmt_time(per_point * (waiting / self.parallel + (1 if self.running else 0)))
+            now = time.perf_counter()
+            running_left = sum(max(per_point - (now - t), 0.0) for t in self.starts.values())
+            eta = _fmt_time((waiting * per_point + running_left) / self.parallel)
         elif left == 0:
             eta = "0s"
         return (
@@ -271,11 +276,13 @@ class Progress:
     def start(self) -> None:
         with self.lock:
             self.running += 1
+            self.starts[threading.get_ident()] = time.perf_counter()
         self.show()
 
     def finish(self, ok: bool, seconds: float) -> None:
         with self.lock:
             self.running -= 1
+            self.starts.pop(threading.get_ident(), None)
             if ok:
                 self.done += 1
             else:

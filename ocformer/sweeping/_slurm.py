@@ -10,6 +10,7 @@ point, whose training resumes from that checkpoint.
 import dataclasses
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -112,8 +113,23 @@ class PointJob(submitit.helpers.Checkpointable):
         return super().checkpoint(*args, **kwargs)
 
 
+def require_slurm() -> None:
+    """Raises ``SweepError`` unless SLURM's ``sbatch`` is on the path."""
+    if shutil.which("sbatch") is None:
+        raise SweepError(
+            "--launcher slurm",
+            "no SLURM on this machine (sbatch not found); run from a SLURM login node, "
+            "or use --launcher local, or --dry-run to see the job script",
+        )
+
+
 def executor_for(sweep_dir: str, options: SlurmOptions):
-    """A submitit SLURM executor writing its files under ``DIR/slurm``."""
+    """A submitit SLURM executor writing its files under ``DIR/slurm``.
+
+    Raises:
+        SweepError: SLURM is not available here.
+    """
+    require_slurm()
     ex = submitit.AutoExecutor(folder=os.path.join(sweep_dir, "slurm", "%j"), cluster="slurm")
     ex.update_parameters(**options.submitit_parameters())
     return ex

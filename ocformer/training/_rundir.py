@@ -140,6 +140,8 @@ class RunDirectory:
             names = sorted(os.listdir(self.path))
         except OSError as e:
             raise WorkdirError(f"work directory {self.path} cannot be read: {e.strerror}") from None
+        # A marker's own temporary file (a claim cut short by a kill) is ocformer's too.
+        names = [n for n in names if not n.startswith(f"{RUN_MARKER}.tmp-")]
         if names and RUN_MARKER not in names:
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
             raise WorkdirError(
@@ -206,6 +208,14 @@ class RunDirectory:
         self._record(config, argv, step, changes or {})
         for warning in self.metrics.repair(step or 0):
             _warn(warning)
+        records = self.metrics.read()
+        last = records[-1]["step"] if records else 0
+        if step is not None and last < step - config.train.log_every:
+            _warn(
+                f"{self.metrics.path} ends at step {last} but the restored checkpoint is "
+                f"step {step}: the records of steps {last + 1}..{step} are missing from the "
+                "file and cannot be recovered"
+            )
         rewind_samples(self.samples_path, step or 0)
         has_events = os.path.isdir(self.tb_path) and bool(os.listdir(self.tb_path))
         # purge_step hides events logged after the restored step, so curves do not

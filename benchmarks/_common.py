@@ -1,0 +1,262 @@
+"""What every benchmark shares: interleaved timing with medians and spread, the machine
+and package versions, the measured matmul peak, and the default experiment's objects."""
+
+import dataclasses
+import importlib.metadata
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ocformer
+from ocformer.config import SECTIONS, Config, resolve
+from ocformer.tasks import AbstractTask, DataNotFoundError
+from ocformer.training import build_task
+
+DEFAULT_EXPERIMENT = "experiments/shakespeare_char.py"
+# The vocabulary of the checksummed Shakespeare corpus (its sorted set of characters):
+# the stand-in task below uses it when the corpus has not been prepared, so that the
+# readout has the size the default experiment trains with.
+SHAKESPEARE_VOCAB = 84
+# The event jax records for every XLA compilation (jax._src.dispatch).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+# ---------------------------------------------------------------------------------------
+# Timing.
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One timed thing: ``run()`` does one call and returns once its results exist."""
+
+    name: str
+    run: Callable[[], object]
+    compile_s: float | None = None
+
+
+def summary(times: Sequence[float]) -> dict:
+    """Median, quartiles, extremes and count of ``times`` (seconds)."""
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return {
+        "median_s": statistics.median(times),
+        "q1_s": q1,
+        "q3_s": q3,
+        "min_s": min(times),
+        "max_s": max(times),
+        "repeats": len(times),
+    }
+
+
+def time_interleaved(
+    candidates: Sequence[Candidate],
+    budget_s: float,
+    min_repeats: int,
+    max_repeats: int,
+    warmup: int = 2,
+) -> dict[str, dict]:
+    """Per candidate, the ``summary`` of one-call times over interleaved rounds.
+
+    Every candidate is called ``warmup`` times first; then rounds call each candidate
+    once, in order, until ``budget_s`` is spent (within the repeat bounds), so that drift
+    of a shared machine falls on every candidate alike.
+    """
+    for c in candidates:
+        for _ in range(warmup):
+            c.run()
+    start = time.perf_counter()
+    for c in candidates:
+        c.run()
+    one_round = time.perf_counter() - start
+    repeats = int(np.clip(budget_s / max(one_round, 1e-9), min_repeats, max_repeats))
+    times: dict[str, list[float]] = {c.name: [] for c in candidates}
+    for _ in range(repeats):
+        for c in candidates:
+            t0 = time.perf_counter()
+            c.run()
+            times[c.name].append(time.perf_counter() - t0)
+    return {name: summary(ts) for name, ts in times.items()}
+
+
+def aot_compile(jitted, *args, **kwargs):
+    """``(compiled, seconds)``: trace, lower and compile ahead of time, so that the
+    compile time is its own number."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    return compiled, time.perf_counter() - start
+
+
+def jax_compiled(compiled) -> jax.stages.Compiled:
+    """The ``jax.stages.Compiled`` of an ahead-of-time compilation; ``eqx.filter_jit``
+    wraps it (with its argument filtering) in a module holding it as ``.compiled``."""
+    return compiled if isinstance(compiled, jax.stages.Compiled) else compiled.compiled
+
+
+def log_log_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """The least-squares slope of log y against log x."""
+    slope, _ = np.polyfit(np.log(np.asarray(xs, float)), np.log(np.asarray(ys, float)), 1)
+    return float(slope)
+
+
+# ---------------------------------------------------------------------------------------
+# The machine.
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def machine_info() -> dict:
+    device = jax.devices()[0]
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_cores_usable": usable_cores(),
+        "load_average_1_5_15": load,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax_backend": jax.default_backend(),
+        "device_kind": device.device_kind,
+        "device_count": jax.device_count(),
+    }
+
+
+def versions() -> dict:
+    names = ("jax", "jaxlib", "diffrax", "equinox", "optax", "flax", "numpy")
+    out = {n: importlib.metadata.version(n) for n in names}
+    try:
+        out["torch"] = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        out["torch"] = None
+    out["ocformer"] = ocformer.__version__
+    return out
+
+
+def matmul_peak(size: int, budget_s: float, dtype=jnp.float32) -> dict:
+    """This machine's measured matmul throughput: the median FLOP/s of ``size``-square
+    products (``2 size^3`` FLOPs each) in ``dtype``, on the default JAX device."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
+    b = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), dtype)
+    matmul = jax.jit(jnp.matmul).lower(a, b).compile()
+    stats = time_interleaved(
+        [Candidate("matmul", lambda: jax.block_until_ready(matmul(a, b)))], budget_s, 5, 200
+    )["matmul"]
+    flops = 2.0 * size**3
+    return {
+        "size": size,
+        "dtype": jnp.dtype(dtype).name,
+        "flops_per_call": flops,
+        "median_flop_per_s": flops / stats["median_s"],
+        "best_flop_per_s": flops / stats["min_s"],
+        "timing": stats,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# The default experiment.
+
+
+class RandomTokens(AbstractTask):
+    """Uniform random symbols as a language-modelling task: a stand-in with the shape of
+    a real corpus, for timing (the data's content does not change a step's cost)."""
+
+    kind: ClassVar[Literal["lm"]] = "lm"
+    num_classes: None = None
+
+    def __init__(self, seq_len: int, vocab_size: int):
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+
+    def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1, index])
+        window = rng.integers(0, self.vocab_size, (batch_size, self.seq_len + 1), np.int32)
+        return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+
+def config_field(*spellings: str) -> str:
+    """The first of ``spellings`` (dotted ``section.field`` names of one setting) that
+    the configuration schema has, so that a benchmark names a setting once."""
+    default = Config()
+    for path in spellings:
+        section, name = path.split(".")
+        if section in SECTIONS and name in {
+            f.name for f in dataclasses.fields(getattr(default, section))
+        }:
+            return path
+    raise ValueError(f"The configuration has none of the fields {spellings}.")
+
+
+def experiment_config(overrides: Sequence[str] = ()) -> Config:
+    """The default experiment's validated configuration with ``section.field=value``
+    overrides (generic dotted names, as on the command line)."""
+    return resolve(DEFAULT_EXPERIMENT, ["train.sample_tokens=0", *overrides])
+
+
+def experiment_task(config: Config, random_tokens: bool = False) -> tuple[AbstractTask, str]:
+    """``(task, description)``: the configured task, or random tokens of the Shakespeare
+    vocabulary when asked or when the corpus has not been prepared (``make data``)."""
+    if not random_tokens:
+        try:
+            task = build_task(config)
+            return task, f"{config.task.name} (vocabulary {task.vocab_size})"
+        except DataNotFoundError:
+            pass
+    task = RandomTokens(config.task.seq_len, SHAKESPEARE_VOCAB)
+    return task, f"random tokens, vocabulary {SHAKESPEARE_VOCAB} (the Shakespeare corpus's)"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (``with CompileCounter() as c``):
+    a step that is compiled once and then only called leaves ``c.count == 0``."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        del duration, kwargs
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def donated(step, model):
+    """``step`` (the loop's) as ``jit((params, opt_state, batch) -> ...)`` with the
+    parameter and optimiser-state buffers donated to the update."""
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def call(params, opt_state, batch):
+        new_model, new_opt, metrics, finite = step(eqx.combine(params, static), opt_state, batch)
+        return eqx.filter(new_model, eqx.is_array), new_opt, metrics, finite
+
+    return jax.jit(call, donate_argnums=(0, 1)), params

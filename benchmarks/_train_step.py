@@ -1,0 +1,204 @@
+"""A whole training step of the default experiment against flax and PyTorch.
+
+ocformer's step is the one the training loop compiles (``ocformer.training.
+make_train_step`` on the objects of ``ocformer.training.build``): forward, backward,
+global-norm clipping, AdamW, the constraint projection and the finiteness flags. The
+benchmark wraps it in ``jax.jit`` with the parameters and optimiser state donated. The
+references are written here with the same shapes, the same optax optimiser (flax) or
+the same AdamW hyperparameters (PyTorch), and are loaded with ocformer's parameters, so
+that the losses can be checked to agree before anything is timed.
+"""
+
+import math
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ocformer.training import build, make_train_step
+
+from . import _flax_gpt, _torch_gpt
+from ._common import (
+    Candidate,
+    CompileCounter,
+    aot_compile,
+    donated,
+    experiment_config,
+    experiment_task,
+    time_interleaved,
+    usable_cores,
+)
+from ._gpt import gpt_shape, model_flops_per_token
+
+
+class _Stepper:
+    """Holds a training state and advances it by one call of a compiled step."""
+
+    def __init__(self, compiled, state: tuple, fixed: tuple, n_state: int):
+        self.compiled, self.state, self.fixed, self.n_state = compiled, state, fixed, n_state
+        self.last = None
+
+    def __call__(self):
+        out = self.compiled(*self.state, *self.fixed)
+        jax.block_until_ready(out)
+        self.state, self.last = tuple(out[: self.n_state]), out
+        return out
+
+
+def _rel(a, b) -> float:
+    return float(abs(float(a) - float(b)) / max(abs(float(b)), 1e-30))
+
+
+def _torch_candidates(exp, shape, batch_np, oc_loss, modes, seed):
+    """PyTorch candidates by mode, and per mode either its compile time or why not."""
+    torch = _torch_gpt.torch
+    if torch is None:
+        return [], {"error": _torch_gpt.TORCH_MISSING}
+    torch.manual_seed(seed)
+    torch.set_num_threads(usable_cores())
+    inputs = torch.from_numpy(np.asarray(batch_np["inputs"], np.int64))
+    targets = torch.from_numpy(np.asarray(batch_np["targets"], np.int64))
+    cfg = exp.config.optimiser
+    info: dict = {"threads": torch.get_num_threads(), "modes": {}}
+    candidates = []
+    for mode in modes:
+        gpt = _torch_gpt.GPT(shape)
+        _torch_gpt.load_ocformer(gpt, exp.model)
+        with torch.no_grad():
+            logits = gpt(inputs)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, shape.vocab), targets.reshape(-1)
+            )
+        forward = gpt if mode == "eager" else torch.compile(gpt)
+        step = _torch_gpt.make_train_step(gpt, forward, cfg, cfg.clip_norm)
+        start = time.perf_counter()
+        try:
+            step(inputs, targets)  # compiles (torch.compile) and warms up
+            step(inputs, targets)
+        except Exception as e:  # noqa: BLE001 (report any failure of torch.compile)
+            info["modes"][mode] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        info["modes"][mode] = {
+            "first_two_steps_s": time.perf_counter() - start,
+            "loss_rel_diff_vs_ocformer": _rel(loss.item(), oc_loss),
+        }
+        candidates.append(Candidate(f"torch_{mode}", lambda s=step: s(inputs, targets)))
+    return candidates, info
+
+
+def run(
+    overrides=(),
+    *,
+    budget_s: float,
+    min_repeats: int,
+    max_repeats: int,
+    torch_modes=("eager", "compile"),
+    random_tokens: bool = False,
+    peak_flop_per_s: float | None = None,
+    seed: int = 0,
+) -> dict:
+    """Time one training step of ocformer, flax (plain and remat) and PyTorch."""
+    config = experiment_config(overrides)
+    task, task_name = experiment_task(config, random_tokens)
+    exp = build(config, task=task)
+    shape = gpt_shape(config, task.vocab_size)
+    b = config.task.batch_size
+    batch_np = task.batch("train", 0, b, seed)
+    batch = {k: jnp.asarray(v) for k, v in batch_np.items()}
+
+    loop_step = make_train_step(
+        exp.objective,
+        exp.constraints,
+        exp.optimiser,
+        skip_nonfinite=config.train.on_nonfinite == "skip",
+    )
+    oc_loss = float(exp.objective(exp.model, batch)[1]["task_loss"])
+    opt_state = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
+    jitted, params = donated(loop_step, exp.model)
+    oc_compiled, oc_compile_s = aot_compile(jitted, params, opt_state, batch)
+    cost = oc_compiled.cost_analysis()
+    xla_flops = float(cost.get("flops", float("nan"))) if isinstance(cost, dict) else math.nan
+
+    # The loop's own call, as the training loop makes it (not donated); compiled on
+    # its first call.
+    start = time.perf_counter()
+    loop_state = loop_step(exp.model, opt_state, batch)
+    jax.block_until_ready(loop_state)
+    loop_compile_s = time.perf_counter() - start
+
+    def loop_run():
+        nonlocal loop_state
+        loop_state = loop_step(loop_state[0], loop_state[1], batch)
+        jax.block_until_ready(loop_state)
+
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731 (fresh, donatable buffers)
+    candidates = [
+        Candidate(
+            "ocformer",
+            _Stepper(oc_compiled, (copy(params), copy(opt_state)), (batch,), 2),
+            oc_compile_s,
+        ),
+        Candidate("ocformer_loop_call", loop_run, loop_compile_s),
+    ]
+
+    flax_params = _flax_gpt.params_from_ocformer(exp.model)
+    flax_info = {}
+    for remat in (False, True):
+        name = "flax_remat" if remat else "flax"
+        gpt = _flax_gpt.GPT(shape, remat=remat)
+        loss = _flax_gpt.cross_entropy(gpt.apply(flax_params, batch["inputs"]), batch["targets"])
+        step = _flax_gpt.make_train_step(gpt, exp.optimiser)
+        p0 = copy(flax_params)
+        o0 = exp.optimiser.init(p0)
+        compiled, compile_s = aot_compile(step, p0, o0, batch)
+        candidates.append(Candidate(name, _Stepper(compiled, (p0, o0), (batch,), 2), compile_s))
+        flax_info[name] = {"loss_rel_diff_vs_ocformer": _rel(loss, oc_loss)}
+
+    torch_candidates, torch_info = _torch_candidates(
+        exp, shape, batch_np, oc_loss, torch_modes, seed
+    )
+    candidates += torch_candidates
+
+    with CompileCounter() as compiles:
+        timings = time_interleaved(candidates, budget_s, min_repeats, max_repeats)
+
+    med = {k: v["median_s"] for k, v in timings.items()}
+    torch_best = min((k for k in med if k.startswith("torch_")), key=med.get, default=None)
+    flops_per_step = model_flops_per_token(shape) * b * shape.seq_len
+    achieved = flops_per_step / med["ocformer"]
+    report = {
+        "config": DEFAULT_DESCRIPTION,
+        "overrides": list(overrides),
+        "task": task_name,
+        "shape": {**shape.__dict__, "batch": b, "dtype": config.model.dtype},
+        "params": {
+            "ocformer": int(sum(x.size for x in jax.tree.leaves(params))),
+            "reference": shape.num_params(),
+        },
+        "timing": timings,
+        "compile_s": {c.name: c.compile_s for c in candidates if c.compile_s is not None},
+        "ratio_vs_flax": med["ocformer"] / med["flax"],
+        "ratio_vs_flax_remat": med["ocformer"] / med["flax_remat"],
+        "ratio_vs_torch": None if torch_best is None else med["ocformer"] / med[torch_best],
+        "ratio_vs_torch_by_mode": {
+            k.removeprefix("torch_"): med["ocformer"] / v
+            for k, v in med.items()
+            if k.startswith("torch_")
+        },
+        "torch_best_mode": None if torch_best is None else torch_best.removeprefix("torch_"),
+        "torch": torch_info,
+        "loop_call_over_donated": med["ocformer_loop_call"] / med["ocformer"],
+        "flax": flax_info,
+        "compilations_while_timing": compiles.count,
+        "tokens_per_s": b * shape.seq_len / med["ocformer"],
+        "model_flops_per_step": flops_per_step,
+        "xla_flops_per_step": xla_flops,
+        "achieved_flop_per_s": achieved,
+        "flops_fraction": None if peak_flop_per_s is None else achieved / peak_flop_per_s,
+    }
+    return report
+
+
+DEFAULT_DESCRIPTION = "experiments/shakespeare_char.py (the default experiment)"

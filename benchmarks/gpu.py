@@ -1,0 +1,238 @@
+"""GPU benchmark: a GPT of >= 100M parameters at context 1024 on one NVIDIA GPU.
+
+bfloat16 compute with float32 master parameters and optimiser state. ocformer's model
+is the default experiment's kind (pre-LN, causal, GELU, final LayerNorm, AdamW with
+clipping) at GPT-2-small size, built through ``ocformer.config`` and
+``ocformer.training.build``; its training step casts the float32 parameters to
+bfloat16 inside the differentiated function, so gradients and updates stay float32.
+The flax reference (``_flax_gpt``, plain and ``nn.remat``) computes in bfloat16 from
+float32 parameters in the usual flax way (``dtype=bfloat16``). Reported: tokens/s,
+model FLOP/s and MFU against the GPU's dense bfloat16 peak (the FLOP convention of
+``_train_step``), peak device memory, and the ratios to flax.
+
+Usage::
+
+    python -m benchmarks.gpu --json FILE            # needs an NVIDIA GPU
+    python -m benchmarks.gpu --dry-run --json FILE  # the same code path, tiny, any backend
+
+On a machine without a GPU the first form exits with status 2 and says so.
+"""
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+from ocformer.training import build
+
+from . import _flax_gpt
+from ._common import (
+    Candidate,
+    RandomTokens,
+    aot_compile,
+    experiment_config,
+    jax_compiled,
+    machine_info,
+    matmul_peak,
+    time_interleaved,
+    versions,
+)
+from ._gpt import gpt_shape, model_flops_per_token
+
+GPT2_SMALL = dict(layers=12, width=768, heads=12, hidden=3072, vocab=50304, seq_len=1024, batch=16)
+DRY_RUN = dict(layers=2, width=64, heads=2, hidden=128, vocab=97, seq_len=32, batch=2)
+
+# Dense bfloat16 peak FLOP/s by device kind (vendor data sheets, SXM parts, no sparsity).
+BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def _peak_for(device_kind: str) -> float | None:
+    for name, peak in BF16_PEAK.items():
+        if name in device_kind:
+            return peak
+    return None
+
+
+def _overrides(size: dict) -> list[str]:
+    return [
+        f"model.num_layers={size['layers']}",
+        f"model.width={size['width']}",
+        f"model.num_heads={size['heads']}",
+        f"model.hidden={size['hidden']}",
+        f"task.seq_len={size['seq_len']}",
+        f"task.batch_size={size['batch']}",
+    ]
+
+
+def _ocformer_step(exp, compute_dtype):
+    """``(params, opt_state, batch) -> (params, opt_state, loss)``: mixed precision,
+    donated, with the optimiser of the experiment."""
+    params, static = eqx.partition(exp.model, eqx.is_array)
+
+    def loss_fn(params, batch):
+        low = jax.tree.map(
+            lambda x: x.astype(compute_dtype) if eqx.is_inexact_array(x) else x, params
+        )
+        loss, _ = exp.objective(eqx.combine(low, static), batch)
+        return loss.astype(jnp.float32)
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = exp.optimiser.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1)), params
+
+
+class _Stepper:
+    def __init__(self, compiled, params, opt_state, batch):
+        self.compiled, self.state, self.batch = compiled, (params, opt_state), batch
+        self.loss = None
+
+    def __call__(self):
+        params, opt_state, loss = self.compiled(*self.state, self.batch)
+        jax.block_until_ready(loss)
+        self.state, self.loss = (params, opt_state), loss
+
+
+def run(size: dict, *, budget_s: float, min_repeats: int, max_repeats: int, dry_run: bool):
+    compute_dtype = jnp.bfloat16
+    config = experiment_config(_overrides(size))
+    task = RandomTokens(size["seq_len"], size["vocab"])
+    exp = build(config, task=task)
+    shape = gpt_shape(config, size["vocab"])
+    batch = {k: jnp.asarray(v) for k, v in task.batch("train", 0, size["batch"], 0).items()}
+
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+    oc_jit, oc_params = _ocformer_step(exp, compute_dtype)
+    oc_opt = exp.optimiser.init(oc_params)
+    oc_compiled, oc_compile_s = aot_compile(oc_jit, oc_params, oc_opt, batch)
+    candidates = [
+        Candidate(
+            "ocformer",
+            _Stepper(oc_compiled, copy(oc_params), copy(oc_opt), batch),
+            oc_compile_s,
+        )
+    ]
+    memory = {"ocformer": jax_compiled(oc_compiled).memory_analysis()}
+    flax_params = _flax_gpt.params_from_ocformer(exp.model)
+    for remat in (False, True):
+        name = "flax_remat" if remat else "flax"
+        gpt = _flax_gpt.GPT(shape, remat=remat, dtype=compute_dtype)
+        step = _flax_gpt.make_train_step(gpt, exp.optimiser)
+        p0 = copy(flax_params)
+        o0 = exp.optimiser.init(p0)
+        compiled, compile_s = aot_compile(step, p0, o0, batch)
+        memory[name] = compiled.memory_analysis()
+        candidates.append(Candidate(name, _Stepper(compiled, p0, o0, batch), compile_s))
+    del oc_params, oc_opt, flax_params
+
+    timing = time_interleaved(candidates, budget_s, min_repeats, max_repeats)
+    med = {k: v["median_s"] for k, v in timing.items()}
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    peak = _peak_for(device.device_kind)
+    measured_peak = matmul_peak(
+        4096 if not dry_run else 256, 2.0 if not dry_run else 0.2, compute_dtype
+    )
+    tokens = size["batch"] * size["seq_len"]
+    flops = model_flops_per_token(shape) * tokens
+
+    def per(name):
+        return {
+            "tokens_per_s": tokens / med[name],
+            "model_flop_per_s": flops / med[name],
+            "mfu": None if peak is None else flops / med[name] / peak,
+            "mfu_vs_measured_matmul": flops / med[name] / measured_peak["median_flop_per_s"],
+            "compiled_peak_bytes": _peak_bytes(memory[name]),
+        }
+
+    losses = {c.name: float(c.run.loss) for c in candidates}
+    return {
+        "size": size,
+        "params": shape.num_params(),
+        "compute_dtype": "bfloat16",
+        "master_dtype": "float32",
+        "timing": timing,
+        "compile_s": {c.name: c.compile_s for c in candidates},
+        "last_loss": losses,
+        "ratio_vs_flax": med["ocformer"] / med["flax"],
+        "ratio_vs_flax_remat": med["ocformer"] / med["flax_remat"],
+        "by_model": {name: per(name) for name in med},
+        "tokens_per_s": tokens / med["ocformer"],
+        "mfu": per("ocformer")["mfu"],
+        "peak_bf16_flop_per_s": peak,
+        "measured_bf16_matmul": measured_peak,
+        "device_peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+        "model_flops_per_step": flops,
+    }
+
+
+def _peak_bytes(m) -> int | None:
+    if m is None:
+        return None
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="a tiny model on whatever backend is present: checks the code path",
+    )
+    parser.add_argument("--batch", type=int, default=GPT2_SMALL["batch"], help="sequences per step")
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds of timing")
+    args = parser.parse_args(argv)
+    backend = jax.default_backend()
+    if not args.dry_run and backend != "gpu":
+        print(
+            f"benchmarks.gpu needs an NVIDIA GPU, but JAX's backend here is {backend!r} "
+            f"(devices: {jax.devices()}). Run it on a GPU machine with a CUDA build of "
+            "jax (`pip install 'jax[cuda12]'`), or pass --dry-run to check the code path "
+            "at a tiny size on this machine.",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    size = dict(DRY_RUN) if args.dry_run else dict(GPT2_SMALL, batch=args.batch)
+    budget, repeats = (0.2, (3, 10)) if args.dry_run else (args.budget, (10, 1000))
+    result = run(
+        size, budget_s=budget, min_repeats=repeats[0], max_repeats=repeats[1], dry_run=args.dry_run
+    )
+    report = {
+        "benchmark": "ocformer GPT training step on one GPU, bfloat16 compute, float32 master",
+        "dry_run": args.dry_run,
+        **result,
+        "versions": versions(),
+        "machine": machine_info(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    print(
+        f"{result['params'] / 1e6:.1f}M parameters, context {size['seq_len']}, batch "
+        f"{size['batch']}: {result['tokens_per_s']:,.0f} tokens/s, MFU "
+        f"{'n/a' if result['mfu'] is None else format(result['mfu'], '.3f')}, "
+        f"ratio vs flax {result['ratio_vs_flax']:.3f} (remat {result['ratio_vs_flax_remat']:.3f})"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

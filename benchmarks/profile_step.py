@@ -1,0 +1,189 @@
+"""Where the time of one training step goes: a ``jax.profiler`` trace, summarised.
+
+Runs the default experiment's donated training step (as in ``benchmarks.run``) and the
+flax reference under ``jax.profiler.trace``, then reads the trace back
+(``jax.profiler.ProfileData``) and sums the *self* time (an event's duration minus that
+of the events nested in it on the same thread) of every XLA operation over the traced
+steps. Each operation is put in a category by its name in the optimised HLO: matrix
+products (``dot``, and the fusions XLA hands to its matmul libraries), the loop
+machinery (``while``, ``conditional``, ``call``), data movement (``copy``,
+``transpose``, ``dynamic-slice``/``dynamic-update-slice``, ``concatenate``) and the
+other fusions (element-wise work and reductions: layer norms, softmax, GELU, the
+optimiser). The top operations are listed with the source operation XLA recorded for
+them.
+
+Usage::
+
+    python -m benchmarks.profile_step --steps 20 --trace-dir /tmp/trace --json FILE
+
+The trace directory can be opened with TensorBoard's profile plugin or Perfetto.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import re
+import tempfile
+from collections.abc import Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ocformer.training import build, make_train_step
+
+from . import _flax_gpt
+from ._common import donated, experiment_config, experiment_task, jax_compiled
+from ._gpt import gpt_shape
+
+CATEGORIES = (
+    ("matmul", re.compile(r"^(dot|ynn_fusion|xnn_fusion|onednn|custom-call|__onednn)")),
+    ("loop machinery", re.compile(r"^(while|conditional|call|body|cond)")),
+    (
+        "data movement",
+        re.compile(
+            r"^(copy|transpose|dynamic-slice|dynamic-update-slice|concatenate|slice|pad|bitcast|broadcast|reshape|gather|scatter)"
+        ),
+    ),
+)
+
+
+def category(op: str) -> str:
+    for name, pattern in CATEGORIES:
+        if pattern.match(op):
+            return name
+    return "other fusions (element-wise, reductions)"
+
+
+def _hlo_sources(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> the ``op_name`` metadata XLA kept for it."""
+    out = {}
+    for m in re.finditer(r"%?([\w.\-]+) = [^\n]*?metadata=\{[^}]*op_name=\"([^\"]*)\"", hlo_text):
+        out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+def _self_times_of_line(events, totals) -> None:
+    stack: list[list] = []  # [start, end, name, nested time]
+
+    def pop():
+        start, end, name, nested = stack.pop()
+        totals[name] += (end - start - nested) * 1e-9
+        if stack:
+            stack[-1][3] += end - start
+
+    for start, end, name in sorted(events):
+        while stack and stack[-1][1] <= start:
+            pop()
+        stack.append([start, end, name, 0])
+    while stack:
+        pop()
+
+
+def _self_times(path: str) -> dict[str, float]:
+    """Per event name, its summed self time in seconds, over the XLA threads."""
+    data = jax.profiler.ProfileData.from_file(path)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for plane in data.planes:
+        for line in plane.lines:
+            if "XLA" in line.name:
+                events = [
+                    (e.start_ns, e.start_ns + e.duration_ns, e.name)
+                    for e in line.events
+                    if e.duration_ns > 0 and not e.name.startswith(("ThreadpoolListener", "end: "))
+                ]
+                _self_times_of_line(events, totals)
+    return dict(totals)
+
+
+def profile(step, state: tuple, fixed: tuple, n_state: int, steps: int, trace_dir: str) -> dict:
+    for _ in range(2):  # warm up
+        out = step(*state, *fixed)
+        jax.block_until_ready(out)
+        state = tuple(out[:n_state])
+    with jax.profiler.trace(trace_dir):
+        for _ in range(steps):
+            out = step(*state, *fixed)
+            jax.block_until_ready(out)
+            state = tuple(out[:n_state])
+    (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+    return _self_times(path)
+
+
+def summarise(times: dict[str, float], sources: dict[str, str], steps: int, top: int) -> dict:
+    per_step = {k: v / steps for k, v in times.items()}
+    total = sum(per_step.values())
+    by_category: dict[str, float] = collections.defaultdict(float)
+    for op, t in per_step.items():
+        by_category[category(op)] += t
+    ranked = sorted(per_step.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "op_time_per_step_s": total,
+        "by_category": {k: {"s": v, "fraction": v / total} for k, v in by_category.items()},
+        "top_ops": [
+            {"op": op, "s": t, "fraction": t / total, "source": sources.get(op, "")}
+            for op, t in ranked
+        ],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    args = parser.parse_args(argv)
+
+    config = experiment_config(args.set)
+    task, task_name = experiment_task(config)
+    exp = build(config, task=task)
+    batch = {
+        k: jnp.asarray(v) for k, v in task.batch("train", 0, config.task.batch_size, 0).items()
+    }
+    loop_step = make_train_step(
+        exp.objective,
+        exp.constraints,
+        exp.optimiser,
+        skip_nonfinite=config.train.on_nonfinite == "skip",
+    )
+    jitted, params = donated(loop_step, exp.model)
+    opt_state = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
+    oc = jitted.lower(params, opt_state, batch).compile()
+
+    gpt = _flax_gpt.GPT(gpt_shape(config, task.vocab_size))
+    flax_params = _flax_gpt.params_from_ocformer(exp.model)
+    flax_opt = exp.optimiser.init(flax_params)
+    fx = _flax_gpt.make_train_step(gpt, exp.optimiser).lower(flax_params, flax_opt, batch).compile()
+
+    report = {"task": task_name, "steps": args.steps, "overrides": args.set}
+    base = args.trace_dir or tempfile.mkdtemp(prefix="ocformer-trace-")
+    for name, compiled, state in (
+        ("ocformer", oc, (params, opt_state)),
+        ("flax", fx, (flax_params, flax_opt)),
+    ):
+        times = profile(compiled, state, (batch,), 2, args.steps, f"{base}/{name}")
+        sources = _hlo_sources(jax_compiled(compiled).as_text())
+        report[name] = summarise(times, sources, args.steps, args.top)
+    report["trace_dir"] = base
+    for name in ("ocformer", "flax"):
+        r = report[name]
+        print(f"== {name}: {1e3 * r['op_time_per_step_s']:.2f} ms of XLA op time per step")
+        for cat, v in sorted(r["by_category"].items(), key=lambda kv: -kv[1]["s"]):
+            print(f"   {cat:<42} {1e3 * v['s']:7.2f} ms  {100 * v['fraction']:5.1f} %")
+        for op in r["top_ops"]:
+            print(
+                f"   {op['op']:<28} {1e3 * op['s']:7.3f} ms {100 * op['fraction']:5.1f} %  "
+                f"{op['source'][-90:]}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The benchmarks' code paths at tiny sizes: every JSON key is written and finite, the
+references compute the same function as ocformer, the timed steps are never
+recompiled, and the GPU benchmark refuses a machine without a GPU. No timing is
+asserted: speed is measured by the benchmarks, not by tests.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks._common import log_log_slope
+from benchmarks._gpt import GPTShape, model_flops_per_token
+from benchmarks.profile_step import _self_times_of_line, category
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TOP_LEVEL = (
+    "train_step_ratio_vs_flax",
+    "train_step_ratio_vs_flax_remat",
+    "ratio_vs_scan",
+    "ratio_vs_scan_remat",
+    "forward_ratio_vs_scan",
+    "compile_ratio_vs_scan",
+    "compile_growth_4_to_64",
+    "flops_fraction",
+    "tokens_per_s",
+)
+METHODS = (
+    "discretise_then_optimise_full_storage",
+    "discretise_then_optimise_recursive",
+    "optimise_then_discretise_backsolve_heun",
+    "direct",
+)
+
+
+def _run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    # A clean process: the test session's float64 and strict-promotion settings are
+    # not those a user runs the benchmarks with.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.mark.slow
+def test_tiny_run_writes_every_key(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run("benchmarks.run", "--tiny", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["mode"] == "tiny"
+    for key in TOP_LEVEL:
+        assert _finite(r[key]) and r[key] > 0, (key, r[key])
+    # PyTorch: a ratio, or null with the reason.
+    torch_ratio = r["train_step_ratio_vs_torch"]
+    assert _finite(torch_ratio) or (torch_ratio is None and r["train_step_ratio_vs_torch_reason"])
+    assert set(r["memory_vs_depth"]) == set(METHODS)
+    for slopes in r["memory_vs_depth"].values():
+        assert all(_finite(v) for v in slopes.values()), slopes
+
+    step = r["train_step"]
+    # The references compute ocformer's function: same parameters, same loss.
+    for name in ("flax", "flax_remat"):
+        assert step["flax"][name]["loss_rel_diff_vs_ocformer"] < 1e-5
+    for mode, info in step["torch"].get("modes", {}).items():
+        assert "error" in info or info["loss_rel_diff_vs_ocformer"] < 1e-5, (mode, info)
+    assert step["params"]["ocformer"] == step["params"]["reference"]
+    # Every timed step, the loop's own call included, was compiled once, before timing.
+    assert step["compilations_while_timing"] == 0
+    assert {"ocformer", "ocformer_loop_call", "flax", "flax_remat"} <= set(step["timing"])
+    for t in step["timing"].values():
+        assert 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
+
+    # Memory rows: the gradient method's temporaries are positive, and parameters and
+    # gradients make the footprint grow with the layer count.
+    for method in METHODS:
+        rows = r["memory"]["layers"][method]["rows"]
+        assert all(row["temp_bytes"] > 0 for row in rows)
+        assert rows[-1]["argument_bytes"] > rows[0]["argument_bytes"]
+    # The scan guard: the two implementations agree to float32 rounding.
+    (scan,) = r["scan"]["results"]
+    assert scan["max_rel_diff_output"] < 1e-5 and scan["max_rel_diff_grad"] < 1e-4
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
+    refused = _run("benchmarks.gpu", timeout=300)
+    assert refused.returncode == 2
+    assert "needs an NVIDIA GPU" in refused.stderr and "--dry-run" in refused.stderr
+
+    out = tmp_path / "gpu.json"
+    proc = _run("benchmarks.gpu", "--dry-run", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["dry_run"] is True and r["compute_dtype"] == "bfloat16"
+    for key in ("tokens_per_s", "ratio_vs_flax", "ratio_vs_flax_remat", "model_flops_per_step"):
+        assert _finite(r[key]) and r[key] > 0, key
+    # bfloat16 losses of the same initial model agree to bfloat16 precision (2^-8).
+    losses = r["last_loss"]
+    assert all(_finite(v) for v in losses.values())
+    assert abs(losses["ocformer"] - losses["flax"]) < 0.05 * abs(losses["flax"])
+
+
+def test_model_flops_follow_the_written_convention():
+    s = GPTShape(vocab=84, seq_len=64, layers=4, width=128, heads=4, hidden=512)
+    matmul_params = 4 * (4 * 128 * 128 + 2 * 128 * 512) + 128 * 84  # 797,184
+    assert model_flops_per_token(s) == 6 * matmul_params + 12 * 4 * 128 * 64
+    assert model_flops_per_token(s) == 5_176_320
+
+
+def test_reference_parameter_count_is_that_of_the_layers():
+    s = GPTShape(vocab=10, seq_len=8, layers=2, width=4, heads=2, hidden=6)
+    block = 4 * 4 * 4 + 4 * 4 + 2 * 4 * 6 + 6 + 4 + 4 * 4  # attention, biases, MLP, 2 LNs
+    assert s.num_params() == 10 * 4 + 8 * 4 + 2 * block + 2 * 4 + 4 * 10 + 10
+
+
+def test_log_log_slope_recovers_a_power_law():
+    xs = np.array([4, 8, 16, 32, 64])
+    assert abs(log_log_slope(xs, 3.0 * xs**0.5) - 0.5) < 1e-12
+    assert abs(log_log_slope(xs, 7.0 + 0 * xs)) < 1e-12
+
+
+def test_profile_self_time_subtracts_nested_events():
+    totals = {k: 0.0 for k in ("while", "dot", "fusion")}
+    # while [0, 100) contains dot [10, 40) and fusion [50, 60); a later dot [100, 120).
+    events = [(0, 100, "while"), (10, 40, "dot"), (50, 60, "fusion"), (100, 120, "dot")]
+    _self_times_of_line(events, totals)
+    assert totals == pytest.approx({"while": 60e-9, "dot": 50e-9, "fusion": 10e-9}, abs=1e-18)
+    assert category("dot.3") == "matmul" and category("while.1") == "loop machinery"
+    assert category("copy.2") == "data movement"
