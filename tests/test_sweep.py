@@ -545,36 +545,30 @@ def test_evaluate_refuses_non_discretisation_fields_and_non_runs(tmp_path, capsy
 
 
 def test_rediscretise_keeps_every_trained_array():
+    """Evaluation re-discretises by replacing the discretisation value: every trained
+    array is kept, the new grid is used, and a change the rules refuse is refused."""
     import equinox as eqx
     import jax
     import jax.tree_util as jtu
 
     from ocformer.config import apply_overrides, validate
-    from ocformer.evaluation import rediscretise
-    from ocformer.training import build
+    from ocformer.models import IncompatibleError, rediscretise
+    from ocformer.training import build, build_discretisation
 
     config = resolve(SMOKE_EXPERIMENT, ["model.num_layers=2"])
-    trained = build(config).model
-    # A model built with another seed stands in for the trained one: different arrays.
-    other = build(apply_overrides(config, ["train.seed=7"])).model
-    finer = build(validate(apply_overrides(config, [f"{STEPS_PER_LAYER}=4"]))).model
-    moved = rediscretise(other, finer)
+    trained = build(apply_overrides(config, ["train.seed=7"])).model  # stands in for trained
+    finer = build_discretisation(validate(apply_overrides(config, [f"{STEPS_PER_LAYER}=4"])))
+    moved = rediscretise(trained, finer)
     assert moved.transformer.steps_per_layer == 4
-    want = [x for x in jtu.tree_leaves(other) if eqx.is_array(x)]
+    assert moved.transformer.discretisation is finer
+    want = [x for x in jtu.tree_leaves(trained) if eqx.is_array(x)]
     got = [x for x in jtu.tree_leaves(moved) if eqx.is_array(x)]
     assert len(got) == len(want) and all(
         (a == b).all() for a, b in zip(jax.device_get(got), jax.device_get(want))
     )
-    assert not all(
-        (a == b).all()
-        for a, b in zip(
-            jax.device_get([x for x in jtu.tree_leaves(trained) if eqx.is_array(x)]),
-            jax.device_get(want),
-        )
-    )
-    wider = build(apply_overrides(config, ["model.width=32"])).model
-    with pytest.raises(ValueError, match=r"cannot re-discretise: array .* the change alters"):
-        rediscretise(other, wider)
+    post = build(apply_overrides(config, ["model.norm=post"])).model
+    with pytest.raises(IncompatibleError, match="no continuous limit"):
+        rediscretise(post, finer)
 
 
 def test_slurm_launch_without_slurm_is_refused_before_writing(tmp_path, capsys, monkeypatch):
