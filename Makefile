@@ -51,9 +51,7 @@ $(NB_STAMP): $(STAMP)
 
 notebooks: $(NB_STAMP)
 	mkdir -p docs/figures
-	cd notebooks && for nb in $(NOTEBOOKS); do \
-		OCFORMER_FIGURES=$(CURDIR)/docs/figures ../$(BIN)/jupytext --to ipynb --execute $$nb.py || exit 1; \
-	done
+	OCFORMER_FIGURES=$(CURDIR)/docs/figures $(BIN)/python notebooks/execute.py $(NOTEBOOKS)
 
 # Open the notebooks in JupyterLab (plots inline).
 lab: $(NB_STAMP)

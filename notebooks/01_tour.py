@@ -40,6 +40,7 @@ jax.config.update("jax_enable_x64", True)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ocformer import analysis  # noqa: E402
 from ocformer.config import Config, ModelConfig, TaskConfig, TrainConfig  # noqa: E402
 from ocformer.controls import init_stacked_params  # noqa: E402
 from ocformer.convert import from_layers  # noqa: E402
@@ -169,7 +170,7 @@ print(
 _, _, vt = np.linalg.svd(u0 - u0.mean(0), full_matrices=False)
 fig, ax = plt.subplots(figsize=(5.5, 4.5))
 for m, style in ((1, "o--"), (16, "-")):
-    ts, ys = rediscretise(model, steps_per_layer=m).trajectory(jnp.asarray(u0))
+    ts, ys = analysis.trajectory(rediscretise(model, steps_per_layer=m), jnp.asarray(u0))
     paths = np.asarray(ys) @ vt[:2].T  # (steps, tokens, 2)
     for i in range(n):
         ax.plot(

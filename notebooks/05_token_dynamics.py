@@ -83,7 +83,7 @@ if RUN:
         trained, stepper=build(config(0)).model.transformer.discretisation.stepper
     )
 else:
-    run_config = config(3 if SMALL else 400)
+    run_config = config(3 if SMALL else 200)
     with tempfile.TemporaryDirectory() as workdir:
         print(train(run_config, workdir)["val_loss"], "validation loss after training")
         _, trained = load_run(workdir)
@@ -127,7 +127,7 @@ for label, sim in similarity.items():
 
 # %%
 num = 4
-steps = (1, 2, 4) if SMALL else (1, 2, 4, 8, 16, 32)
+steps = (1, 2, 4) if SMALL else (1, 2, 4, 8, 16)
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
 refinement = {}
 for label, m in models.items():

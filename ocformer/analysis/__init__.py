@@ -23,7 +23,12 @@ from ._convergence import (
 )
 from ._discretisations import discretisation_study as discretisation_study
 from ._gradients import gradient_comparison as gradient_comparison
-from ._steps import ShiftedControl as ShiftedControl, StepMap as StepMap, chain as chain
+from ._steps import (
+    ShiftedControl as ShiftedControl,
+    StepMap as StepMap,
+    chain as chain,
+    trajectory as trajectory,
+)
 from ._tokens import (
     Lyapunov as Lyapunov,
     TokenSimilarity as TokenSimilarity,

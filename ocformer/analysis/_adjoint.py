@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 from ..integration import GRADIENT_METHODS
 from ..models import ContinuousTransformer, IncompatibleError, SequenceModel, rediscretise
 from ..objective import cross_entropy
-from ._steps import ShiftedControl, StepMap
+from ._steps import ShiftedControl, StepMap, trajectory
 
 
 def _transformer(model) -> ContinuousTransformer:
@@ -228,7 +228,7 @@ def costates(
     """
     steps = StepMap(transformer, key_mask, u0.dtype)
     model = steps.transformer
-    ts, ys = model.trajectory(u0, key_mask)
+    ts, ys = trajectory(model, u0, key_mask)
     lams, extra = _backward(steps, ys, loss, substeps, False)
     sub_ts = sub = sub_norms = None
     if substeps:
@@ -269,7 +269,7 @@ def gradient_density(
     """
     steps = StepMap(transformer, key_mask, u0.dtype)
     model = steps.transformer
-    ts, ys = model.trajectory(u0, key_mask)
+    ts, ys = trajectory(model, u0, key_mask)
     _, extra = _backward(steps, ys, loss, False, True)
     g = extra["theta"]
     dt = ts[1:] - ts[:-1]

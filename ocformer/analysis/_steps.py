@@ -212,6 +212,13 @@ def _forward_differentiable(stepper):
     return stepper
 
 
+@eqx.filter_jit
+def trajectory(transformer: ContinuousTransformer, u0, key_mask=None):
+    """``transformer.trajectory(u0, key_mask)``, compiled (the states the analyses
+    linearise about)."""
+    return transformer.trajectory(u0, key_mask)
+
+
 def chain(steps: StepMap, u0) -> Float[Array, "steps+1 *batch N d"]:
     """u_0, ..., u_N by chaining the step map from ``u0`` (checks ``StepMap``)."""
 

@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 
 from ..models import ContinuousTransformer, refine
 from ._convergence import fitted_slope
-from ._steps import StepMap
+from ._steps import StepMap, trajectory
 
 
 class TokenSimilarity(NamedTuple):
@@ -42,7 +42,7 @@ class TokenSimilarity(NamedTuple):
 def token_similarity(transformer: ContinuousTransformer, u0, *, key_mask=None) -> TokenSimilarity:
     """Cosine similarities of every pair of tokens at every step of the solve
     (``key_mask``: only kept tokens are paired)."""
-    ts, ys = transformer.trajectory(u0, key_mask)
+    ts, ys = trajectory(transformer, u0, key_mask)
     unit = ys / jnp.linalg.norm(ys, axis=-1, keepdims=True)
     cosine = jnp.einsum("...id,...jd->...ij", unit, unit)
     n = cosine.shape[-1]
