@@ -560,7 +560,7 @@ def test_rediscretise_keeps_every_trained_array():
     finer = build_discretisation(validate(apply_overrides(config, [f"{STEPS_PER_LAYER}=4"])))
     moved = rediscretise(trained, finer)
     assert moved.transformer.steps_per_layer == 4
-    assert moved.transformer.discretisation is finer
+    assert moved.transformer.discretisation == finer
     want = [x for x in jtu.tree_leaves(trained) if eqx.is_array(x)]
     got = [x for x in jtu.tree_leaves(moved) if eqx.is_array(x)]
     assert len(got) == len(want) and all(
