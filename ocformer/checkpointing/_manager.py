@@ -6,6 +6,11 @@ finalisation; the marker is written after that, atomically (temporary file +
 ``os.replace``). Only directories with a marker are ever restored, so a process killed
 at any moment of a save leaves at worst an incomplete directory, which the next start
 deletes. Old checkpoints are deleted marker first, for the same reason.
+
+In a run of several processes every process calls ``save`` and ``restore``: orbax
+writes each array's pieces from the processes that hold them, process 0 alone deletes,
+commits and prunes, and all processes wait for each other around it. A checkpoint holds
+whole arrays, not their layout, so it restores on any mesh and any number of processes.
 """
 
 import asyncio
@@ -17,8 +22,11 @@ import shutil
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.experimental import multihost_utils
 
 from ._atomic import atomic_write_text, remove_stale_temporaries
 
@@ -35,12 +43,36 @@ class NonFiniteCheckpointError(ValueError):
     """Refusal to write a checkpoint holding NaN or Inf values."""
 
 
+def _dtype(x) -> str:
+    return str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+
+
 def _leaf_spec(tree) -> list[dict[str, Any]]:
     leaves = jtu.tree_flatten_with_path(tree)[0]
     return [
-        {"path": jtu.keystr(path), "shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype)}
+        {"path": jtu.keystr(path), "shape": list(np.shape(x)), "dtype": _dtype(x)}
         for path, x in leaves
     ]
+
+
+def _spans_processes(x) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _finite(x) -> bool:
+    if _spans_processes(x):  # every process computes it, from its own pieces
+        return bool(jnp.all(jnp.isfinite(x)))
+    a = np.asarray(x)
+    return not np.issubdtype(a.dtype, np.inexact) or bool(np.all(np.isfinite(a)))
+
+
+def _primary() -> bool:
+    return jax.process_index() == 0
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 class _DrainingEventLoop(asyncio.SelectorEventLoop):
@@ -159,16 +191,36 @@ class CheckpointManager:
                 written).
         """
         leaves, _ = jtu.tree_flatten(tree)
-        arrays = [np.asarray(x) for x in leaves]
+        # Arrays that span processes go to orbax as they are (each process writes its
+        # pieces); the others as NumPy arrays.
+        arrays = [x if _spans_processes(x) else np.asarray(x) for x in leaves]
         spec = _leaf_spec(tree)
         for s, a in zip(spec, arrays):
-            if np.issubdtype(a.dtype, np.inexact) and not np.all(np.isfinite(a)):
+            if not _finite(a):
                 raise NonFiniteCheckpointError(
                     f"refusing to write checkpoint step {step}: leaf {s['path']} holds "
                     "NaN or Inf; the last finite checkpoint is kept."
                 )
-        os.makedirs(self.directory, exist_ok=True)
         target = self.path(step)
+        if _primary():
+            self._clear(target)
+        _barrier(f"ocformer:checkpoint:{step}:cleared")
+        payload = {f"{i:06d}": a for i, a in enumerate(arrays)}
+        self._orbax().save(target, payload)
+        if _primary():
+            record = {
+                "step": step,
+                "time": time.time(),
+                "leaves": spec,
+                "metadata": metadata or {},
+            }
+            atomic_write_text(os.path.join(target, MARKER), json.dumps(record))
+            self._prune()
+        _barrier(f"ocformer:checkpoint:{step}:committed")
+        return target
+
+    def _clear(self, target: str) -> None:
+        os.makedirs(self.directory, exist_ok=True)
         if os.path.exists(target):
             # An earlier save of this step: uncommitted leftovers or (after a resume
             # from an older step) a committed one that is about to be superseded.
@@ -176,17 +228,6 @@ class CheckpointManager:
             if os.path.exists(marker):
                 os.remove(marker)
             shutil.rmtree(target)
-        payload = {f"{i:06d}": a for i, a in enumerate(arrays)}
-        self._orbax().save(target, payload)
-        record = {
-            "step": step,
-            "time": time.time(),
-            "leaves": spec,
-            "metadata": metadata or {},
-        }
-        atomic_write_text(os.path.join(target, MARKER), json.dumps(record))
-        self._prune()
-        return target
 
     def _prune(self) -> None:
         steps = self.steps()
@@ -236,8 +277,12 @@ class CheckpointManager:
                     "new --workdir, or the configuration that wrote it."
                 )
         try:
+            import orbax.checkpoint as ocp
+
+            # Whole arrays as NumPy, whichever mesh and processes wrote them.
+            whole = {f"{i:06d}": ocp.RestoreArgs(restore_type=np.ndarray) for i in range(len(want))}
             with _draining_event_loops():
-                payload = self._orbax().restore(path)
+                payload = self._orbax().restore(path, restore_args=whole)
             arrays = [np.asarray(payload[f"{i:06d}"]) for i in range(len(want))]
         except Exception as e:  # orbax raises many kinds for damaged files
             raise CheckpointError(

@@ -11,6 +11,7 @@ from ._schema import (
     Config as Config,
     ControlsConfig as ControlsConfig,
     DiscretisationConfig as DiscretisationConfig,
+    MeshConfig as MeshConfig,
     ModelConfig as ModelConfig,
     ObjectiveConfig as ObjectiveConfig,
     OptimiserConfig as OptimiserConfig,

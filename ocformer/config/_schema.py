@@ -1,10 +1,10 @@
 """The typed, frozen configuration of a training run.
 
-One schema, seven sections: the equation (``model``, ``controls``), its
-``discretisation``, the ``objective``, the ``optimiser``, the ``task`` and the
-``train`` loop. Every field carries its allowed values (choices or a range)
-as dataclass metadata, so that validation, ``--set`` parsing and the documentation all
-read the same source. Nothing here imports JAX: a bad configuration is rejected before
+One schema, eight sections: the equation (``model``, ``controls``), its
+``discretisation``, the ``objective``, the ``optimiser``, the ``task``, the
+``train`` loop and the device ``mesh`` it runs on. Every field carries its allowed
+values (choices or a range) as dataclass metadata, so that validation, ``--set``
+parsing and the documentation all read the same source. Nothing here imports JAX: a bad configuration is rejected before
 anything is traced or allocated.
 """
 
@@ -172,6 +172,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh: the batch is split over ``data`` devices, and the controls over
+    ``model`` devices by attention heads and feed-forward hidden width. ``-1`` (for one
+    of the two) takes every device the other leaves; the product must not exceed the
+    devices of all processes. The layout changes where numbers live, not the run."""
+
+    data: int = _field(-1, "devices the batch is split over (-1: those mesh.model leaves)", ge=-1)
+    model: int = _field(
+        1, "devices the controls are split over by heads and hidden width (-1: the rest)", ge=-1
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     """A complete training run. Build it in an experiment file's ``get_config``."""
 
@@ -182,6 +195,7 @@ class Config:
     optimiser: OptimiserConfig = field(default_factory=OptimiserConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))

@@ -11,9 +11,11 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any
+from typing import Any, cast
 
-from ..dynamics import SUB_SOLVERS
+import diffrax
+
+from ..dynamics import SUB_SOLVERS, SubSolver
 from ..integration import GRADIENT_METHODS, STEPSIZES
 from ..models import Choices, describe_stepper, refusals
 from ..splitting import SCHEMES, SOLVERS
@@ -122,12 +124,12 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
             raise ConfigError(path, f"must be {sign} {limit}, got {value!r}")
 
 
-def stepper_object(name: str, sub_solver: str = "euler"):
+def stepper_object(name: str, sub_solver: str = "euler") -> diffrax.AbstractSolver:
     """The time stepper object of a ``discretisation.stepper`` name: a splitting scheme
     with its sub-solver, or a diffrax solver. Names become objects here and in
     ``ocformer.training.build``, nowhere else."""
     if name in SCHEMES:
-        return SCHEMES[name](sub_solver=sub_solver)  # pyright: ignore[reportCallIssue]
+        return SCHEMES[name](sub_solver=cast(SubSolver, sub_solver))
     return SOLVERS[name]()
 
 
@@ -198,6 +200,7 @@ def _check_combinations(c: Config) -> None:
             f"num_heads={m.num_heads} must divide model.width={m.width}; choose a "
             f"divisor of {m.width}",
         )
+    _check_mesh(c)
     _check_registered(c)
     found = refusals(choices(c))
     if found:
@@ -225,6 +228,38 @@ def _check_combinations(c: Config) -> None:
             "objective.kernel_norm and objective.kernel_bound go together (got "
             f"kernel_norm={o.kernel_norm!r}, kernel_bound={o.kernel_bound!r})",
         )
+
+
+def _check_mesh(c: Config) -> None:
+    """The mesh's explicit sizes divide what they split; ``-1`` is checked at start,
+    once the devices are known (``ocformer.distributed.make_mesh``)."""
+    mesh, m = c.mesh, c.model
+    for name in ("data", "model"):
+        if getattr(mesh, name) == 0:
+            raise ConfigError(
+                f"mesh.{name}", "got 0; give a number of devices >= 1, or -1 for the rest"
+            )
+    if mesh.data == -1 and mesh.model == -1:
+        raise ConfigError(
+            "mesh.model",
+            "mesh.data and mesh.model are both -1 ('the rest'); fix one of them, e.g. mesh.model=1",
+        )
+    if mesh.data > 1 and c.task.batch_size % mesh.data:
+        raise ConfigError(
+            "mesh.data",
+            f"mesh.data={mesh.data} devices must divide task.batch_size={c.task.batch_size} "
+            "(each takes an equal slice of the batch); choose a divisor of the batch size",
+        )
+    if mesh.model > 1:
+        for what, size in (("model.num_heads", m.num_heads), ("model.hidden", m.hidden)):
+            if size % mesh.model:
+                raise ConfigError(
+                    "mesh.model",
+                    f"mesh.model={mesh.model} devices must divide {what}={size} (the "
+                    "controls are split by attention heads and feed-forward hidden width); "
+                    f"choose a common divisor of model.num_heads={m.num_heads} and "
+                    f"model.hidden={m.hidden}",
+                )
 
 
 def from_dict(data: dict) -> Config:

@@ -5,6 +5,12 @@ function of the step index: parameters, optimiser state, step, PRNG key and the 
 of skipped updates are in the checkpoint, and batch $n$ is
 ``task.batch("train", n, batch_size, seed)``. Everything the run writes goes through
 one ``RunDirectory``.
+
+On a mesh of several devices (``config.mesh``, ``ocformer.distributed.Layout``) the
+same loop runs with the batch split over ``data`` and the controls over ``model``. In
+a run of several processes every process runs it: each transfers only its own rows of
+batch $n$ to its devices, process 0 alone writes logs and samples, checkpoints are
+written together, and a stop on SIGTERM is agreed at the same step by all of them.
 """
 
 import math
@@ -21,6 +27,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..config import Config, from_dict, validate
+from ..distributed import Layout, is_primary
 from ._build import Experiment, build
 from ._errors import NonFiniteError, Preempted, SolverFailure
 from ._optimiser import make_schedule
@@ -52,7 +59,7 @@ def _to_tree(model, opt_state, key, step: int, skipped: int) -> _State:
     return _State(
         params=eqx.filter(model, eqx.is_array),
         opt_state=opt_state,
-        key=jr.key_data(key),
+        key=np.asarray(jr.key_data(key)),
         step=np.asarray(step, np.int64),
         skipped=np.asarray(skipped, np.int64),
     )
@@ -91,14 +98,16 @@ def _announce_schedule(previous: dict, config: Config, step: int, skipped: int) 
 class _Evaluation:
     """The fixed validation set, the compiled evaluation step and text sampling."""
 
-    def __init__(self, exp: Experiment):
+    def __init__(self, exp: Experiment, layout: Layout, model):
         task, tc, t = exp.task, exp.config.train, exp.config.task
-        self.batches = [
-            {k: jnp.asarray(v) for k, v in b.items()}
-            for b in task.eval_batches(t.eval_batch_size, t.eval_batches, tc.seed)
-        ]
+        batches = task.eval_batches(t.eval_batch_size, t.eval_batches, tc.seed)
         self.evaluate = make_eval_step(exp.objective)
-        self.task, self.tc = task, tc
+        if layout.active:
+            self.batches = [layout.put_replicated(b) for b in batches]
+            self.evaluate = layout.compile_eval_step(self.evaluate, model)
+        else:
+            self.batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in batches]
+        self.task, self.tc, self.layout, self.template = task, tc, layout, exp.model
 
     def __call__(self, model, step: int) -> dict:
         try:
@@ -115,6 +124,12 @@ class _Evaluation:
     def sample(self, model, key, step: int) -> str | None:
         if not (self.task.kind == "lm" and self.tc.sample_tokens):
             return None
+        if self.layout.processes > 1:
+            # The arrays span processes: every process gathers them, process 0 samples.
+            params = self.layout.to_host(eqx.filter(model, eqx.is_array))
+            if not is_primary():
+                return None
+            model = eqx.combine(jax.tree.map(jnp.asarray, params), self.template)
         prompt = self.task.encode(self.tc.sample_prompt)
         tokens = model.generate(
             jr.fold_in(key, step), prompt, self.tc.sample_tokens, self.tc.sample_temperature
@@ -176,7 +191,8 @@ def train(
     """
     validate(config)
     started = time.perf_counter()
-    run = RunDirectory(workdir)
+    layout = Layout(config)  # a mesh larger than the devices is refused here
+    run = RunDirectory(workdir, primary=is_primary(), barrier=layout.barrier)
     changes = run.check(config, allow_config_change=allow_config_change)
     exp, tc = build(config), config.train
     lm = exp.task.kind == "lm"
@@ -186,6 +202,9 @@ def train(
             config, initial, keep_checkpoints=tc.keep_checkpoints, changes=changes, argv=argv
         )
         model, opt_state, key, step, skipped = _from_tree(exp, restored or initial)
+        if layout.active:
+            # Checkpoints hold whole arrays: any mesh restores any other's.
+            model, opt_state = layout.put_model(model), layout.put_state(opt_state, model)
         if resumed_from is not None:
             print(f"ocformer: resuming {run.path} from step {step}", flush=True)
             if changes:
@@ -193,11 +212,15 @@ def train(
         train_step = make_train_step(
             exp.objective, exp.constraints, exp.optimiser, skip_nonfinite=tc.on_nonfinite == "skip"
         )
-        evaluation = _Evaluation(exp)
+        if layout.active:
+            train_step = layout.compile_train_step(train_step, model, opt_state)
+        place = layout.put_batch if layout.active else _on_device
+        evaluation = _Evaluation(exp, layout, model)
         units = config.task.batch_size * (exp.task.seq_len if lm else 1)
         throughput = _Throughput(units, "tok_per_s" if lm else "ex_per_s")
         last: dict = {}
-        bar = tqdm(total=tc.steps, initial=step, disable=not tc.progress, desc="train",
+        quiet = not (tc.progress and is_primary())
+        bar = tqdm(total=tc.steps, initial=step, disable=quiet, desc="train",
                    dynamic_ncols=True, file=sys.stderr)  # fmt: skip
         with bar, PreemptionGuard(tc.preempt_grace_s) as guard:
             while step < tc.steps:
@@ -207,9 +230,7 @@ def train(
                 lr = float(np.asarray(exp.schedule(step - skipped)))
                 step += 1
                 try:
-                    new_model, new_opt, metrics, finite = train_step(
-                        model, opt_state, {k: jnp.asarray(v) for k, v in batch.items()}
-                    )
+                    new_model, new_opt, metrics, finite = train_step(model, opt_state, place(batch))
                     finite, metrics = np.asarray(finite), {k: float(v) for k, v in metrics.items()}
                 except eqx.EquinoxRuntimeError as e:
                     raise SolverFailure(step, _solver_message(e)) from None
@@ -236,7 +257,8 @@ def train(
                     speed = {throughput.name.replace("_per_", "/"): f"{rate[throughput.name]:,.0f}"}
                     bar.set_postfix({"loss": f"{metrics['loss']:.4f}", **speed}, refresh=False)
                 bar.update(1)
-                stopping = guard.requested and step < tc.steps
+                # Every process stops at the same step (a checkpoint is written together).
+                stopping = layout.any_process(guard.requested) and step < tc.steps
                 if step % tc.checkpoint_every == 0 or step == tc.steps or stopping:
                     run.save(step, _to_tree(model, opt_state, key, step, skipped), config)
                 if stopping:
@@ -255,8 +277,13 @@ def train(
             "workdir": run.path,
             **run.outputs(),
         }
-    _print_summary(summary)
+    if is_primary():
+        _print_summary(summary)
     return summary
+
+
+def _on_device(batch: dict) -> dict:
+    return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
 def _fmt(value, spec=".4f") -> str:

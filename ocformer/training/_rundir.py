@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 
 from ..checkpointing import CheckpointManager, atomic_write_text, remove_stale_temporaries
 from ..config import Config, to_dict
@@ -24,7 +25,9 @@ from ._run_info import git_revision, package_versions, platform_info
 RUN_MARKER = "ocformer_run.json"
 # Fields that do not change what a run computes: a resumed run may differ in them
 # without --allow-config-change (they are still written to config.json).
-PRESENTATION_FIELDS: frozenset[str] = frozenset({"train.progress", "train.preempt_grace_s"})
+PRESENTATION_FIELDS: frozenset[str] = frozenset(
+    {"train.progress", "train.preempt_grace_s", "mesh.data", "mesh.model"}
+)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -76,6 +79,11 @@ class RunDirectory:
     checkpoint and prepares the logs; then ``log``, ``sample`` and ``save``; ``close``
     (or ``with``) flushes and releases everything.
 
+    In a run of several processes every process holds a ``RunDirectory`` of the same
+    (shared) path: all of them restore and save checkpoints; only the ``primary`` one
+    (process 0) claims the directory and writes records, logs and samples, and
+    ``barrier`` (called with a name by every process) orders the two.
+
     Raises:
         WorkdirError: (from ``__init__`` and ``check``) an empty path, a path that is a
             file, a directory that cannot be created or written, or a directory that
@@ -83,7 +91,13 @@ class RunDirectory:
         ConfigChanged: (from ``check``) a run to resume whose configuration differs.
     """
 
-    def __init__(self, path: str | os.PathLike | None):
+    def __init__(
+        self,
+        path: str | os.PathLike | None,
+        *,
+        primary: bool = True,
+        barrier: Callable[[str], None] | None = None,
+    ):
         text = "" if path is None else os.fspath(path)
         if not str(text).strip():
             raise WorkdirError(
@@ -100,6 +114,8 @@ class RunDirectory:
         self.checkpoint: str | None = None  # the newest committed checkpoint
         self._tb: TensorBoard | None = None
         self.stored_config: dict | None = None  # config.json as found by check()
+        self.primary = primary
+        self._barrier = barrier or (lambda name: None)
 
     # -- inspecting (changes nothing) ------------------------------------------------
 
@@ -186,6 +202,28 @@ class RunDirectory:
             ``(step, restored)``: the restored step and tree, or ``(None, None)`` for a
             fresh run.
         """
+        # Every process has inspected the directory before the primary one writes.
+        self._barrier("ocformer:rundir:checked")
+        if self.primary:
+            self._claim()
+        self.checkpoints = CheckpointManager(
+            os.path.join(self.path, "checkpoints"), keep=keep_checkpoints
+        )
+        if self.primary:
+            self.checkpoints.clean()
+        self._barrier("ocformer:rundir:claimed")
+        step = self.checkpoints.latest()
+        restored = None
+        if step is not None:
+            restored = self.checkpoints.restore(step, template)  # reads only
+            self.checkpoint = self.checkpoints.path(step)
+        if not self.primary:
+            return step, restored
+        self._record(config, argv, step, changes or {})
+        self._continue_logs(config, step)
+        return step, restored
+
+    def _claim(self) -> None:
         try:
             os.makedirs(self.path, exist_ok=True)
             if not os.path.exists(os.path.join(self.path, RUN_MARKER)):
@@ -196,16 +234,8 @@ class RunDirectory:
                 f"work directory {self.path} cannot be created or written: {e.strerror}"
             ) from None
         remove_stale_temporaries(self.path)
-        self.checkpoints = CheckpointManager(
-            os.path.join(self.path, "checkpoints"), keep=keep_checkpoints
-        )
-        self.checkpoints.clean()
-        step = self.checkpoints.latest()
-        restored = None
-        if step is not None:
-            restored = self.checkpoints.restore(step, template)  # reads only
-            self.checkpoint = self.checkpoints.path(step)
-        self._record(config, argv, step, changes or {})
+
+    def _continue_logs(self, config: Config, step: int | None) -> None:
         for warning in self.metrics.repair(step or 0):
             _warn(warning)
         records = self.metrics.read()
@@ -221,7 +251,6 @@ class RunDirectory:
         # purge_step hides events logged after the restored step, so curves do not
         # fold back on resume.
         self._tb = TensorBoard(self.tb_path, purge_step=(step or 0) + 1 if has_events else None)
-        return step, restored
 
     def _record(self, config: Config, argv, resumed_from, changes: dict) -> None:
         resolved = to_dict(config)
@@ -254,13 +283,17 @@ class RunDirectory:
         atomic_write_text(os.path.join(self.path, "run.json"), json.dumps(info, indent=2))
 
     def log(self, step: int, record: dict) -> None:
-        """One line of ``metrics.jsonl`` and its TensorBoard scalars."""
+        """One line of ``metrics.jsonl`` and its TensorBoard scalars (process 0 only)."""
+        if not self.primary:
+            return
         self.metrics.append(record)
         assert self._tb is not None, "RunDirectory.start first"
         self._tb.scalars(step, record)
 
     def sample(self, step: int, text: str) -> None:
-        """A text sample, to ``samples.txt`` and TensorBoard."""
+        """A text sample, to ``samples.txt`` and TensorBoard (process 0 only)."""
+        if not self.primary:
+            return
         with open(self.samples_path, "a", encoding="utf-8") as f:
             f.write(f"=== step {step} ===\n{text}\n\n")
         assert self._tb is not None, "RunDirectory.start first"

@@ -1,0 +1,16 @@
+"""Many devices and many processes: the device mesh, sharded steps, and joining a run
+of several processes with ``jax.distributed``."""
+
+from ._layout import (
+    AXES as AXES,
+    Layout as Layout,
+    MeshError as MeshError,
+    is_primary as is_primary,
+    make_mesh as make_mesh,
+    mesh_shape as mesh_shape,
+)
+from ._process import (
+    DistributedError as DistributedError,
+    initialize as initialize,
+    process_settings as process_settings,
+)

@@ -1,0 +1,195 @@
+"""Joining a run of many processes: ``jax.distributed.initialize`` with bounded waits.
+
+A process learns its place in the run from flags (``--coordinator``,
+``--num-processes``, ``--process-id``), from the variables ``OCFORMER_COORDINATOR``,
+``OCFORMER_NUM_PROCESSES`` and ``OCFORMER_PROCESS_ID`` (what ``ocformer.launch local``
+sets), or from a cluster: a SLURM step of more than one task, or a TPU pod slice of more
+than one host, which JAX detects itself. Every wait is bounded: a coordinator that cannot
+be reached, a process that never joins, or processes started with different counts end
+in a ``DistributedError`` that names the address, the counts and the timeout.
+"""
+
+import os
+import re
+
+import jax
+from jax._src import distributed as _distributed
+
+ENV_COORDINATOR = "OCFORMER_COORDINATOR"
+ENV_NUM_PROCESSES = "OCFORMER_NUM_PROCESSES"
+ENV_PROCESS_ID = "OCFORMER_PROCESS_ID"
+ENV_TIMEOUT = "OCFORMER_DISTRIBUTED_TIMEOUT_S"
+ENV_HEARTBEAT = "OCFORMER_HEARTBEAT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120
+DEFAULT_HEARTBEAT_S = 60
+
+_ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
+
+
+class DistributedError(RuntimeError):
+    """A run of many processes that cannot start or cannot go on."""
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise DistributedError(f"{name}={text!r} is not an integer") from None
+    if value < 1:
+        raise DistributedError(f"{name}={text!r} must be >= 1 (seconds)")
+    return value
+
+
+def _cluster() -> str | None:
+    """The cluster JAX can read this process's place from, if the run spans processes."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS")
+    if os.environ.get("SLURM_JOB_ID") and tasks and int(tasks) > 1:
+        return "SLURM"
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    if "," in hosts:
+        return "TPU"
+    return None
+
+
+def process_settings(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> tuple[str, int, int] | None:
+    """The explicit ``(coordinator, num_processes, process_id)`` of this process, from
+    the arguments or else the ``OCFORMER_*`` variables; None if neither gives any.
+
+    Raises:
+        DistributedError: some but not all three given, a malformed address, a count
+            below 1, or a process id outside ``0 .. num_processes - 1``.
+    """
+    given = (coordinator, num_processes, process_id)
+    source = "--coordinator, --num-processes and --process-id"
+    if all(v is None for v in given):
+        env = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+        if all(os.environ.get(n) is None for n in env):
+            return None
+        source = ", ".join(env)
+        coordinator = os.environ.get(ENV_COORDINATOR)
+        try:
+            num_processes = int(os.environ[ENV_NUM_PROCESSES])
+            process_id = int(os.environ[ENV_PROCESS_ID])
+        except (KeyError, ValueError):
+            raise DistributedError(
+                f"{source} must all be set, the last two to integers (got "
+                f"{ENV_NUM_PROCESSES}={os.environ.get(ENV_NUM_PROCESSES)!r}, "
+                f"{ENV_PROCESS_ID}={os.environ.get(ENV_PROCESS_ID)!r})"
+            ) from None
+    if coordinator is None or num_processes is None or process_id is None:
+        raise DistributedError(
+            f"{source} go together: got coordinator={coordinator!r}, "
+            f"num_processes={num_processes!r}, process_id={process_id!r}"
+        )
+    if not _ADDRESS.match(coordinator):
+        raise DistributedError(
+            f"coordinator address {coordinator!r} is not HOST:PORT (e.g. 10.0.0.1:1234)"
+        )
+    if num_processes < 1:
+        raise DistributedError(f"the number of processes must be >= 1, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise DistributedError(
+            f"process id {process_id} is out of range for {num_processes} processes "
+            f"(ids 0..{num_processes - 1})"
+        )
+    return coordinator, num_processes, process_id
+
+
+def _check_counts(num_processes: int, process_id: int, timeout_s: int) -> None:
+    """Every process was started with the same number of processes: each publishes its
+    count in the coordinator's key-value store and reads the others' (bounded wait)."""
+
+    client = _distributed.global_state.client
+    if client is None:  # pragma: no cover - initialize succeeded, so there is one
+        return
+    client.key_value_set(f"ocformer/num_processes/{process_id}", str(num_processes))
+    for other in range(num_processes):
+        if other == process_id:
+            continue
+        try:
+            theirs = client.blocking_key_value_get(
+                f"ocformer/num_processes/{other}", timeout_s * 1000
+            )
+        except Exception:
+            raise DistributedError(
+                f"process {other} of {num_processes} did not join within {timeout_s}s; "
+                "every process must be started with the same --num-processes "
+                f"({num_processes} here)"
+            ) from None
+        if int(theirs) != num_processes:
+            raise DistributedError(
+                f"mismatched process counts: process {other} was started with "
+                f"--num-processes {theirs}, process {process_id} with {num_processes}; "
+                "start every process with the same count"
+            )
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout_s: int | None = None,
+) -> bool:
+    """Join the run's processes, if this process is one of many; returns whether it did.
+
+    Explicit settings (the arguments, else the ``OCFORMER_*`` variables) come first;
+    otherwise a SLURM step of several tasks or a multi-host TPU slice is detected and
+    JAX reads the settings from it; otherwise the process runs alone and nothing
+    happens. Collectives between CPU processes use gloo.
+
+    Args:
+        coordinator: ``HOST:PORT`` of process 0's coordination service.
+        num_processes: how many processes the run has.
+        process_id: this process, ``0 .. num_processes - 1``.
+        timeout_s: how long to wait for the coordinator and the other processes
+            (default ``OCFORMER_DISTRIBUTED_TIMEOUT_S`` or 120 s).
+
+    Raises:
+        DistributedError: bad settings, an unreachable coordinator (with its address
+            and the timeout), a process that does not join, or mismatched counts.
+    """
+    settings = process_settings(coordinator, num_processes, process_id)
+    cluster = None if settings is not None else _cluster()
+    if settings is None and cluster is None:
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    timeout = timeout_s if timeout_s is not None else _env_int(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)
+    heartbeat = _env_int(ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if settings is None:
+        try:
+            jax.distributed.initialize(
+                initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat
+            )
+        except Exception as e:
+            raise DistributedError(
+                f"joining the {cluster} run failed within {timeout}s: {str(e).splitlines()[0]}"
+            ) from None
+        return True
+    address, count, pid = settings
+    try:
+        jax.distributed.initialize(
+            address,
+            num_processes=count,
+            process_id=pid,
+            initialization_timeout=timeout,
+            heartbeat_timeout_seconds=heartbeat,
+        )
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DistributedError(
+            f"process {pid} of {count} could not join the coordinator at {address} within "
+            f"{timeout}s ({first}); start process 0 on that address, or check "
+            "--coordinator"
+        ) from None
+    _check_counts(count, pid, timeout)
+    return True
