@@ -40,6 +40,7 @@ from ocformer.config import (  # noqa: E402
     ControlsConfig,
     DiscretisationConfig,
     ModelConfig,
+    ObjectiveConfig,
     TaskConfig,
     TrainConfig,
 )
@@ -70,6 +71,8 @@ def short_run(kind, stepper, steps_per_layer):
     return Config(
         model=ModelConfig(num_layers=4, width=16, hidden=32, num_heads=2),
         controls=ControlsConfig(kind=kind, basis_size=4),
+        # Constraints project stored values; a basis stores coefficients, so none here.
+        objective=ObjectiveConfig(sigma_floor=None),
         discretisation=DiscretisationConfig(stepper=stepper, steps_per_layer=steps_per_layer),
         task=TaskConfig(name="sort", seq_len=8, vocab_size=8, batch_size=16),
         train=TrainConfig(
