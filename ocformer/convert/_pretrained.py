@@ -763,22 +763,22 @@ def from_pretrained(
 def _check_standard(transformer: ContinuousTransformer) -> None:
     # The file format stores the layers, which a reader evaluates as the standard stack:
     # only the discretisation that is that stack may be written.
+    d = transformer.discretisation
     standard = (
-        isinstance(transformer.solver, Lie)
-        and transformer.steps_per_layer == 1
+        isinstance(d.stepper, Lie)
+        and d.stepper.sub_solver == "euler"
+        and d.steps_per_layer == 1
+        and d.stepsize == "constant"
         and transformer.formulation == "split"
-        and transformer.stepsize_controller is None
-        and transformer.sub_solver == "euler"
         and isinstance(transformer.control, PiecewiseConstant)
     )
     if not standard:
         raise ValueError(
             "to_pretrained writes the standard layer stack, which is the Lie scheme with "
             "one explicit-Euler step per layer, piecewise-constant controls and the split "
-            "formulation; this model is discretised otherwise (solver "
-            f"{type(transformer.solver).__name__}, steps_per_layer "
-            f"{transformer.steps_per_layer}, sub_solver {transformer.sub_solver!r}, "
-            f"formulation {transformer.formulation!r}). Write the model it was derived from."
+            f"formulation; this model is discretised otherwise ({d}, formulation "
+            f"{transformer.formulation!r}). Write the model it was derived from, or "
+            "rediscretise it back with ocformer.models.rediscretise(model, Discretisation())."
         )
 
 

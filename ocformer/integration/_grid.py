@@ -159,4 +159,4 @@ def adaptive_controller(
     jumps = control.jump_ts
     if not jump_ts or jumps is None or jumps.size == 0:  # e.g. a single layer
         return pid
-    return diffrax.ClipStepSizeController(pid, jump_ts=jumps)
+    return diffrax.ClipStepSizeController(pid, jump_ts=jnp.asarray(jumps))

@@ -217,7 +217,9 @@ class ContinuousTransformer(eqx.Module):
                 # LayerNorm(a + b) with eps is P_{eps/4}((a + b)/2): the closing projection
                 # takes eps/4 where the scheme always enters it from the averaging step
                 # (Lie; Strang's middle), and the plain eps where it is fed anything else.
-                if splitting and stepper.feeds(_AVERAGED_FFN, _CLOSING_NORM, terms):
+                if isinstance(stepper, AbstractSplittingSolver) and stepper.feeds(
+                    _AVERAGED_FFN, _CLOSING_NORM, terms
+                ):
                     terms[_CLOSING_NORM] = ProjectionTerm(self.layer_norm, "norm2", 0.25)
                 return MultiTerm(*terms)
             split = (
@@ -265,7 +267,7 @@ class ContinuousTransformer(eqx.Module):
         t0 = self.control.interval[0]
         return project_onto_set(self.control(t0).norm2, u0)
 
-    def order(self) -> int:
+    def order(self) -> int | None:
         """The order of the time stepper on these terms (splitting: the smaller of the
         splitting's and the sub-flows' orders; 0 for the post-LN split equation, which
         has no continuous limit and is not refined)."""
@@ -286,14 +288,6 @@ class ContinuousTransformer(eqx.Module):
                 f"key_mask must have shape {u0.shape[:-1]} (the state without its "
                 f"feature axis), got {key_mask.shape}."
             )
-
-    def _in_dtype(self, dtype) -> "ContinuousTransformer":
-        def cast(x):
-            if eqx.is_inexact_array(x) and x.dtype != dtype:
-                return x.astype(dtype)
-            return x
-
-        return jtu.tree_map(cast, self)
 
     def _in_dtype(self, dtype) -> "ContinuousTransformer":
         def cast(x):
