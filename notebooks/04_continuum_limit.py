@@ -108,7 +108,7 @@ candidates |= {f"heun m={m}": Discretisation(diffrax.Heun(), steps_per_layer=m) 
 reference = Discretisation(diffrax.Tsit5(), steps_per_layer=8 if SMALL else 32)
 studies = {}
 for label, (config, model) in runs.items():
-    batch = build(config).task.batch("val", 0, 4 if SMALL else 16, 0)
+    batch = build(config).task.batch("validation", 0, 4 if SMALL else 16, 0)
     studies[label] = analysis.discretisation_study(model, batch, candidates, reference)
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 4))

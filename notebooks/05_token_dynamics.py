@@ -88,7 +88,7 @@ else:
         print(train(run_config, workdir)["val_loss"], "validation loss after training")
         _, trained = load_run(workdir)
 task = build(run_config).task
-inputs = jnp.asarray(task.batch("val", 0, 1, 0)["inputs"])
+inputs = jnp.asarray(task.batch("validation", 0, 1, 0)["inputs"])
 models = {"random": random_model, "trained": trained}
 
 # %% [markdown]
