@@ -2,6 +2,9 @@
 
 A thin wrapper over ``ocformer.training.train``; the only module that reads ``argv``.
 Re-running the same command resumes from the last committed checkpoint in DIR.
+One process of a run of many joins the others with ``--coordinator HOST:PORT
+--num-processes N --process-id I`` (or from a SLURM step or TPU slice it runs in; see
+``ocformer.launch``).
 
 Exit codes (``ocformer.training.ExitCode``): 0 done, 1 unexpected error, 2 bad
 configuration or input (experiment file, work directory, changed configuration on resume,
@@ -44,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
         help="resume DIR even though the configuration differs from the one it holds "
         "(the change is recorded in DIR/config_history.jsonl)",
     )
+    group = p.add_argument_group("several processes (default: from SLURM or a TPU slice)")
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
     return p
 
 
@@ -68,8 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         jax.config.update("jax_enable_x64", True)
+    from .distributed import DistributedError, initialize
     from .training import train
 
+    try:
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    except DistributedError as e:
+        return _fail(ExitCode.USAGE, str(e))
     command = [sys.executable, "-m", "ocformer.train", *(sys.argv[1:] if argv is None else argv)]
     try:
         train(config, args.workdir, argv=command, allow_config_change=args.allow_config_change)

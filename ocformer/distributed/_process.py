@@ -11,6 +11,8 @@ in a ``DistributedError`` that names the address, the counts and the timeout.
 
 import os
 import re
+import socket
+import time
 
 import jax
 from jax._src import distributed as _distributed
@@ -102,6 +104,26 @@ def process_settings(
     return coordinator, num_processes, process_id
 
 
+def _wait_for_coordinator(address: str, timeout_s: int) -> None:
+    """Wait until ``address`` accepts a connection (JAX itself would abort the process
+    when the coordinator is missing)."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"the coordinator at {address} could not be reached within {timeout_s}s "
+                    f"({e.strerror or e}); start process 0 first, on that address, or "
+                    "check --coordinator (and the timeout, OCFORMER_DISTRIBUTED_TIMEOUT_S)"
+                ) from None
+            time.sleep(0.5)
+
+
 def _check_counts(num_processes: int, process_id: int, timeout_s: int) -> None:
     """Every process was started with the same number of processes: each publishes its
     count in the coordinator's key-value store and reads the others' (bounded wait)."""
@@ -176,6 +198,8 @@ def initialize(
             ) from None
         return True
     address, count, pid = settings
+    if pid != 0:  # process 0 hosts the coordinator
+        _wait_for_coordinator(address, timeout)
     try:
         jax.distributed.initialize(
             address,

@@ -1,0 +1,364 @@
+"""Many devices and many processes: the mesh equals one device, two processes equal one,
+checkpoints cross between them, and every bad input ends with a clear message.
+
+The runs on several devices or processes are subprocesses: 4 CPU devices forced with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``, or 2 processes of 1 CPU device
+each started by ``python -m ocformer.launch local`` (gloo collectives over loopback).
+Losses are compared in float32 to 1e-6 relative: the layouts sum in another order.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ocformer import launch, train as cli
+from ocformer.checkpointing import MARKER
+from ocformer.config import ConfigError, resolve
+from ocformer.distributed import DistributedError, Layout, MeshError, initialize, process_settings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+RTOL = 1e-6
+STEPS = 6
+# Evaluation only at the end; checkpoints every 2 steps.
+BASE = [
+    f"train.steps={STEPS}",
+    "train.checkpoint_every=2",
+    f"train.eval_every={STEPS}",
+    "train.progress=false",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- refused before anything runs ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        (["mesh.data=3"], "mesh.data", "task.batch_size=16"),
+        (["mesh.model=4"], "mesh.model", "model.num_heads=2"),
+        (["mesh.model=2", "model.hidden=33"], "mesh.model", "model.hidden=33"),
+        (["mesh.data=0"], "mesh.data", "-1 for the rest"),
+        (["mesh.data=-1", "mesh.model=-1"], "mesh.model", "both -1"),
+    ],
+)
+def test_mesh_that_does_not_divide_is_refused_at_config_time(overrides, field, words):
+    with pytest.raises(ConfigError) as e:
+        resolve(SMOKE, overrides)
+    assert e.value.field == field and words in str(e.value)
+
+
+def test_mesh_larger_than_the_devices_is_refused_at_start(tmp_path, capsys):
+    config = resolve(SMOKE, ["mesh.data=2"])  # valid: 2 divides the batch of 16
+    with pytest.raises(MeshError) as e:
+        Layout(config)
+    assert e.value.field == "mesh.data"
+    assert "2 x 1 = 2 devices is larger than the 1 devices" in str(e.value)
+    # The command line: exit 2, nothing written.
+    code = cli.main(["--config", SMOKE, "--workdir", str(tmp_path / "w"), "--set", "mesh.data=2"])
+    assert code == 2 and "larger than the 1 devices" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_default_mesh_is_one_device_and_inactive():
+    layout = Layout(resolve(SMOKE, []))
+    assert (layout.data, layout.model, layout.active) == (1, 1, False)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("127.0.0.1:1234", 2, 2), "process id 2 is out of range for 2 processes (ids 0..1)"),
+        (("127.0.0.1:1234", 2, -1), "process id -1 is out of range"),
+        (("127.0.0.1:1234", 0, 0), "number of processes must be >= 1, got 0"),
+        (("127.0.0.1:1234", 2, None), "go together"),
+        (("localhost", 2, 0), "is not HOST:PORT"),
+    ],
+)
+def test_bad_process_settings(args, words):
+    with pytest.raises(DistributedError) as e:
+        process_settings(*args)
+    assert words in str(e.value)
+
+
+def test_no_settings_means_one_process(monkeypatch):
+    for name in ("OCFORMER_COORDINATOR", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES"):
+        monkeypatch.delenv(name, raising=False)
+    assert process_settings() is None and initialize() is False
+
+
+def test_unreachable_coordinator_ends_with_address_and_timeout():
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(DistributedError) as e:
+        initialize(address, 2, 1, timeout_s=2)
+    elapsed = time.monotonic() - started
+    assert f"coordinator at {address} could not be reached within 2s" in str(e.value)
+    assert 2 <= elapsed < 10
+
+
+# -- subprocesses ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = dict(os.environ)
+    for name in ("OCFORMER_COORDINATOR", "OCFORMER_NUM_PROCESSES", "OCFORMER_PROCESS_ID"):
+        e.pop(name, None)
+    e.update(
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        EQX_ON_ERROR="nan",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=ROOT,
+    )
+    return e
+
+
+_COUNTS = """
+import sys
+from ocformer.distributed import DistributedError, initialize
+try:
+    initialize(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), timeout_s=30)
+except DistributedError as e:
+    print(e, flush=True)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.slow
+def test_mismatched_process_counts_are_refused_by_both(env):
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COUNTS, address, str(n), str(i)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for n, i in ((2, 0), (3, 1))
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert "process 1 was started with --num-processes 3, process 0 with 2" in outs[0]
+    assert "process 0 was started with --num-processes 2, process 1 with 3" in outs[1]
+
+
+_MESHES = """
+import json, os, sys, tempfile
+import equinox as eqx, jax, numpy as np
+from ocformer.config import resolve
+from ocformer.distributed import Layout
+from ocformer.training import build, make_train_step, train
+
+base = sys.argv[2:]
+out = {"devices": jax.device_count(), "losses": {}}
+for d, m in [(1, 1), (4, 1), (2, 2)]:
+    config = resolve(sys.argv[1], [*base, f"mesh.data={d}", f"mesh.model={m}"])
+    with tempfile.TemporaryDirectory() as w:
+        train(config, w)
+        with open(os.path.join(w, "metrics.jsonl")) as f:
+            out["losses"][f"{d}x{m}"] = [json.loads(line)["loss"] for line in f]
+    if (d, m) == (1, 1):
+        continue
+    exp, layout = build(config), Layout(config)
+    model = layout.put_model(exp.model)
+    state = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
+    state = layout.put_state(state, exp.model)
+    step = layout.compile_train_step(
+        make_train_step(exp.objective, exp.constraints, exp.optimiser, skip_nonfinite=False),
+        model, state,
+    )
+    batch = layout.put_batch(exp.task.batch("train", 0, config.task.batch_size, 0))
+    hlo = step.lower(model, state, batch).compile().as_text()
+    values = model.transformer.control.values
+    out[f"{d}x{m}"] = {
+        "all_reduce": "all-reduce" in hlo,
+        "wq": str(values.attention.wq.sharding.spec),
+        "wo": str(values.attention.wo.sharding.spec),
+        "ff0": str(values.feedforward.weights[0].sharding.spec),
+        "ff1": str(values.feedforward.weights[1].sharding.spec),
+        "moments_wq": sorted(
+            {str(x.sharding.spec) for path, x in jax.tree_util.tree_flatten_with_path(state)[0]
+             if "attention.wq" in jax.tree_util.keystr(path)}
+        ),
+        "batch": sorted({str(x.sharding.spec) for x in batch.values()}),
+    }
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _relative(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b) / np.abs(b)))
+
+
+@pytest.mark.slow
+def test_meshes_of_four_devices_equal_one_device(env):
+    """20 steps on meshes (4, 1) and (2, 2) of 4 forced CPU devices give the losses of
+    one device with the same global batch, and the compiled step all-reduces."""
+    e = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    overrides = [
+        "train.steps=20",
+        "train.eval_every=20",
+        "train.checkpoint_every=20",
+        "train.progress=false",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", _MESHES, SMOKE, *overrides],
+        env=e, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["devices"] == 4
+    one = out["losses"]["1x1"]
+    assert len(one) == 20
+    for mesh in ("4x1", "2x2"):
+        assert _relative(out["losses"][mesh], one) < RTOL, (mesh, out["losses"][mesh], one)
+        assert out[mesh]["all_reduce"], mesh  # gradients summed over the data devices
+    assert out["4x1"]["wq"] == "PartitionSpec()"  # replicated when mesh.model = 1
+    two = out["2x2"]
+    assert two["wq"] == "PartitionSpec(None, None, 'model')"  # by heads: output columns
+    assert two["wo"] == "PartitionSpec(None, 'model', None)"  # by heads: input rows
+    assert two["ff0"] == "PartitionSpec(None, None, 'model')"  # by hidden columns
+    assert two["ff1"] == "PartitionSpec(None, 'model', None)"  # by hidden rows
+    # The optimiser's moments follow the controls; the batch is split by rows.
+    assert two["moments_wq"] == [two["wq"]]
+    assert out["4x1"]["batch"] == two["batch"] == ["PartitionSpec('data',)"]
+
+
+def _train_command(workdir, *overrides):
+    cmd = ["--config", SMOKE, "--workdir", str(workdir)]
+    for o in (*BASE, *overrides):
+        cmd += ["--set", o]
+    return cmd
+
+
+def _one_process(env, workdir, *overrides):
+    return subprocess.run(
+        [sys.executable, "-m", "ocformer.train", *_train_command(workdir, *overrides)],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+
+
+def _launch(env, workdir, *overrides, grace=5):
+    return subprocess.Popen(
+        [sys.executable, "-m", "ocformer.launch", "local", "--nproc", "2", "--grace",
+         str(grace), "--", *_train_command(workdir, *overrides)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _losses(workdir) -> dict[int, float]:
+    with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def _assert_close(got: dict, want: dict, steps) -> None:
+    steps = list(steps)
+    assert steps and all(s in got for s in steps), (sorted(got), steps)
+    assert _relative([got[s] for s in steps], [want[s] for s in steps]) < RTOL, (got, want)
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one_and_survive_a_killed_process(env, tmp_path):
+    """Two processes give the one-process losses; SIGKILL of one ends the run with a
+    clear error within a bounded time; a checkpoint of 2 processes resumes in 1 and one
+    of 1 process resumes in 2, with the one-process losses."""
+    one = tmp_path / "one"
+    proc = _one_process(env, one)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = _losses(one)
+    assert sorted(want) == list(range(1, STEPS + 1))
+
+    # Two processes; process 1 is killed once the checkpoint of step 2 is committed.
+    two = tmp_path / "two"
+    launcher = _launch(env, two)
+    marker = two / "checkpoints" / "step_2" / MARKER
+    deadline = time.monotonic() + 1200
+    while not marker.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert launcher.poll() is None, launcher.communicate()
+    err_lines = []
+    pids = None
+    # The launcher names the pids of its processes on its first line.
+    while pids is None:
+        line = launcher.stderr.readline()
+        err_lines.append(line)
+        if m := re.search(r"pids \[(\d+), (\d+)\]", line):
+            pids = int(m.group(1)), int(m.group(2))
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    out, err = launcher.communicate(timeout=120)
+    stopped_after = time.monotonic() - killed
+    err = "".join(err_lines) + err
+    assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert "process 1 (pid" in err and "was killed by SIGKILL" in err
+    assert stopped_after < 60, stopped_after  # the launcher's grace (5 s) bounds it
+    got = _losses(two)
+    _assert_close(got, want, range(1, 3))
+
+    # The rerun, in one process, resumes from the checkpoint the two processes wrote.
+    resumed = _one_process(env, two)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(re.search(r"resuming .* from step (\d+)", resumed.stdout).group(1))
+    assert start >= 2
+    _assert_close(_losses(two), want, range(1, STEPS + 1))
+
+    # The reverse: a checkpoint of one process (step 4) resumes in two.
+    back = tmp_path / "back"
+    shutil.copytree(one, back)
+    os.remove(back / "checkpoints" / f"step_{STEPS}" / MARKER)  # uncommitted: deleted
+    launcher = _launch(env, back)
+    out, err = launcher.communicate(timeout=1200)
+    assert launcher.returncode == 0, err[-3000:]
+    assert f"resuming {back} from step 4" in out
+    _assert_close(_losses(back), want, range(1, STEPS + 1))
+    assert sorted(_losses(back)) == list(range(1, STEPS + 1))
+
+
+def test_slurm_dry_run_prints_a_multi_node_job(capsys):
+    code = launch.main(
+        ["slurm", "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu", "--time", "30",
+         "--dry-run", "--", "--config", SMOKE, "--workdir", "runs/smoke"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=30",
+    ):
+        assert line in out, out
+    assert "-m ocformer.train --config" in out and "--workdir runs/smoke" in out
+
+
+def test_launch_refuses_bad_invocations(capsys, monkeypatch):
+    assert launch.main(["local", "--nproc", "2"]) == 2
+    assert "after --" in capsys.readouterr().err
+    assert launch.main(["local", "--nproc", "0", "--", "--config", SMOKE]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", "")
+    assert launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "1", "--", "x"]) == 2
+    assert "sbatch not found" in capsys.readouterr().err
