@@ -13,7 +13,9 @@ noise) and trains it with the library's compiled step for ``train.steps`` steps.
 only the plain-attention counterpart: the configuration has no field for convolutional
 projections yet.
 
-Expected: not yet measured.
+Expected: validation accuracy 0.9865 (293 of the 297 held-out images), validation
+loss 0.049, after 1500 steps (0.9933 at step 500); measured in 426 s on a 2-core CPU
+shared with other jobs, at commit 1b32e27.
 """
 
 import argparse

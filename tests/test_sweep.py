@@ -175,6 +175,16 @@ def test_axis_value_of_the_wrong_type(tmp_path):
     )
     assert "axis 'num_layers', value '2.5'" in msg
     assert "model.num_layers: expected an int, got '2.5'" in msg
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layers", [1, "2"])])
+        """,
+        name="strings",
+    )
+    assert "strings.py: training axis 'num_layers', value '2'" in msg
+    assert "model.num_layers: expected int, got '2' (str)" in msg
 
 
 def test_empty_axis(tmp_path):
@@ -414,6 +424,26 @@ def test_smoke_sweep_runs_skips_and_grows(tmp_path, compile_cache, capsys):
     (out / "results.csv").unlink()
     assert sweep_main(["report", str(out)]) == 0
     assert (out / "results.csv").read_text() == before
+
+    # A point left 'running' by a killed sweep is resumed from its checkpoint (here the
+    # last one, so nothing is retrained) and evaluated again; its results are unchanged.
+    name = table[2]["point"]
+    status = read_status(out / "points" / name)
+    (out / "points" / name / "sweep_point.json").write_text(
+        json.dumps({"name": name, "status": "running", "attempts": 1})
+    )
+    (out / "points" / name / "evaluations" / "trained.json").unlink()
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(out)]) == 0
+    again = read_status(out / "points" / name)
+    assert again["status"] == "done" and again["attempts"] == 2
+    assert (
+        f"resuming {out / 'points' / name / 'run'} from step 4"
+        in (out / "points" / name / "train.log").read_text()
+    )
+    assert status["attempts"] == 1
+    resumed = read_csv(out / "results.csv")
+    for key in ("final_val_loss", "best_val_loss", "final_val_accuracy", "solver_steps"):
+        assert [r[key] for r in resumed] == [r[key] for r in table]
 
 
 @pytest.mark.slow

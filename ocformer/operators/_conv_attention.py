@@ -5,7 +5,6 @@ import math
 from typing import ClassVar
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
@@ -20,7 +19,7 @@ def local_transform(
     num_prefix: int,
     h_x: float = 1.0,
 ) -> Float[Array, "*batch N d"]:
-    r"""$(\kappa \star u)(x, \xi) = h_x \sum_{x'} \kappa(x - x', \xi)\,u(x', \xi)$ over
+    r"""$(\kappa \star u)(x, \xi) = h_x \sum_{x'} \kappa(x' - x, \xi)\,u(x', \xi)$ over
     the grid tokens, zero outside the grid (a depthwise 'same' convolution); the first
     ``num_prefix`` tokens (class tokens, not on the grid) pass unchanged."""
     *batch, n, d = u.shape
@@ -30,19 +29,21 @@ def local_transform(
             f"ConvAttention expects {num_prefix} prefix tokens plus a {rows} x {cols} grid "
             f"({num_prefix + rows * cols} tokens), got {n}."
         )
+    k = kernel.shape[0]
+    r = k // 2
     prefix, tokens = u[..., :num_prefix, :], u[..., num_prefix:, :]
-    x = tokens.reshape(-1, rows, cols, d)
-    # Cross-correlation with the kernel read as (offset_row, offset_col, feature): the
-    # kernel is the local integral kernel itself, not its mirror image.
-    out = jax.lax.conv_general_dilated(
-        x,
-        kernel[:, :, None, :].astype(x.dtype),
-        window_strides=(1, 1),
-        padding="SAME",
-        dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        feature_group_count=d,
-        precision=jax.lax.Precision.HIGHEST,
-    )
+    x = tokens.reshape(*batch, rows, cols, d)
+    pad = [(0, 0)] * len(batch) + [(r, r), (r, r), (0, 0)]
+    padded = jnp.pad(x, pad)
+    # The k^2 shifted copies of the grid, weighted per feature: a depthwise 'same'
+    # cross-correlation with the kernel read as (offset_row, offset_col, feature), i.e.
+    # the local integral kernel itself, not its mirror image. Written as shifts rather
+    # than a grouped convolution, which XLA runs (and differentiates) far slower on CPU.
+    out = jnp.zeros_like(x)
+    for a in range(k):
+        for b in range(k):
+            weight = kernel[a, b].astype(x.dtype).reshape((1,) * (x.ndim - 1) + (d,))
+            out = out + weight * padded[..., a : a + rows, b : b + cols, :]
     if h_x != 1.0:
         out = h_x * out
     return jnp.concatenate([prefix, out.reshape(*batch, rows * cols, d)], axis=-2)
@@ -52,7 +53,7 @@ class ConvAttention(eqx.Module):
     r"""Attention whose queries, keys and values read a locally smoothed state (CvT).
 
     $$Q(x, y) = h_y \int_{\Omega_y} W^Q(\xi, y)\,(\kappa^Q \star u)(x, \xi)\,d\xi + b^Q(y),
-      \quad (\kappa \star u)(x, \xi) = \int_{\Omega_x} \kappa(x - x', \xi)\,u(x', \xi)\,dx',$$
+      \quad (\kappa \star u)(x, \xi) = \int_{\Omega_x} \kappa(x' - x, \xi)\,u(x', \xi)\,dx',$$
     likewise $K, V$, with $\kappa$ supported on a $k \times k$ neighbourhood of the 2-D
     token grid; then the softmax integral operator of ``Attention``. This is the
     convolutional projection of Wu et al., "CvT: Introducing Convolutions to Vision

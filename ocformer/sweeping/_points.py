@@ -88,6 +88,18 @@ def _slug_of(labels: dict[str, str]) -> str:
     return "_".join(f"{_clean(k)}={_clean(v)}" for k, v in labels.items())
 
 
+def _same(parsed: Any, value: Any) -> bool:
+    """``value`` (from a sweep file) is the value ``parsed`` (its ``--set`` text read
+    back by the field's type); an int is a fine float."""
+    if isinstance(parsed, bool) or isinstance(value, bool):
+        return type(parsed) is type(value) and parsed == value
+    if isinstance(parsed, float) and isinstance(value, int | float):
+        return parsed == float(value)
+    if isinstance(parsed, tuple) and isinstance(value, tuple | list):
+        return len(parsed) == len(value) and all(map(_same, parsed, value))
+    return type(parsed) is type(value) and parsed == value
+
+
 def _check_axis(sweep_path: str, ax: Axis, kind: str) -> None:
     for field in ax.fields:
         if field == SEED_FIELD:
@@ -98,14 +110,21 @@ def _check_axis(sweep_path: str, ax: Axis, kind: str) -> None:
             )
         for label, values in zip(ax.labels, ax.values):
             value = dict(zip(ax.fields, values))[field]
+            where = f"{sweep_path}: {kind} axis {ax.name!r}, value {label!r}"
             try:
-                parse_override(f"{field}={format_value(value)}")
+                parsed = parse_override(f"{field}={format_value(value)}")[1]
                 if kind == "evaluation":
                     check_discretisation_field(field)
             except ConfigError as e:
+                raise SweepError(where, str(e)) from None
+            if not _same(parsed, value):
+                # The text would parse (e.g. the string "2" for an int field), but the
+                # sweep file holds a value of another type: a mistake worth naming.
                 raise SweepError(
-                    f"{sweep_path}: {kind} axis {ax.name!r}, value {label!r}", str(e)
-                ) from None
+                    where,
+                    f"{field}: expected {type(parsed).__name__}, got {value!r} "
+                    f"({type(value).__name__})",
+                )
 
 
 def _combinations(axes: Sequence[Axis]):
