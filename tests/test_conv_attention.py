@@ -7,15 +7,13 @@ with unit kernels it must be plain ``Attention``; inside a continuous Transforme
 (pre-LN, Lie, one step per layer) it must equal a layer-by-layer numpy stack.
 """
 
-import importlib.util
-import os
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from _layers import random_stack
 
 from ocformer.controls import AttentionParams, ConvAttentionParams
 from ocformer.convert import from_layers
@@ -121,22 +119,11 @@ def test_refuses_plain_params_and_wrong_token_count(rng):
         op(conv_p, jnp.zeros((9, 4)))
 
 
-def _layer(rng, d, d_ff):
-    g = lambda *s: rng.standard_normal(s) / np.sqrt(s[0])  # noqa: E731
-    b = lambda n: 0.1 * rng.standard_normal(n)  # noqa: E731
-    return {
-        "wq": g(d, d), "wk": g(d, d), "wv": g(d, d), "wo": g(d, d),
-        "bq": b(d), "bk": b(d), "bv": b(d), "bo": b(d),
-        "w1": g(d, d_ff), "b1": b(d_ff), "w2": g(d_ff, d), "b2": b(d),
-        "ln1_scale": 1 + b(d), "ln1_bias": b(d), "ln2_scale": 1 + b(d), "ln2_bias": b(d),
-    }  # fmt: skip
-
-
 def test_cvt_stack_is_a_discretisation(rng):
     """A pre-LN CvT encoder (convolutional projections in every layer) is the Lie scheme
     with one step per layer, and refines like any continuous model."""
     d, d_ff, heads, rows, cols, num_layers, eps = 8, 16, 2, 3, 3, 3, 1e-5
-    layers = [_layer(rng, d, d_ff) for _ in range(num_layers)]
+    layers = random_stack(int(rng.integers(1 << 30)), num_layers, d, d_ff)
     transformer = from_layers(layers, norm="pre", num_heads=heads, activation="gelu", ln_eps=eps)
     cvt = with_conv_projections(transformer, token_grid=(rows, cols), key=jr.key(0), init_scale=1.0)
     kernels = cvt.control.values.attention
@@ -157,22 +144,34 @@ def test_cvt_stack_is_a_discretisation(rng):
     # The kernels are controls: the loss reaches them.
     grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.asarray(u0)) ** 2))(cvt)
     assert float(jnp.abs(grads.control.values.attention.kq).max()) > 1e-3
-    # Re-discretised, the plain operator comes back; re-applying keeps the kernels.
-    fine = with_conv_projections(refine(cvt, 4), token_grid=(rows, cols))
+    # Re-discretised, the operator and its kernels stay: only the discretisation changes.
+    fine = refine(cvt, 4)
     assert isinstance(fine.attention, ConvAttention) and fine.steps_per_layer == 4
     assert fine.control.values.attention.kq is kernels.kq
+    # Applying the projections again keeps the kernels too.
+    again = with_conv_projections(cvt, token_grid=(rows, cols))
+    assert again.control.values.attention.kq is kernels.kq
     assert 1e-3 < rel_err(fine(jnp.asarray(u0)), ref) < 1.0
 
 
-def test_digits_cvt_experiment_one_step():
-    """experiments/digits_cvt.py builds the CvT model and takes a training step."""
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", "digits_cvt.py")
-    spec = importlib.util.spec_from_file_location("digits_cvt", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    _, model = module.build_cvt(module.get_config())
+def test_digits_cvt_experiment_builds_from_its_config(tmp_path):
+    """experiments/digits_cvt.py selects the convolutional projections by config
+    (model.attention=conv): the built model has them, and a training step runs through
+    the same command line as every experiment."""
+    from ocformer.config import ConfigError, apply_overrides, resolve
+    from ocformer.train import main as train_main
+    from ocformer.training import build
+
+    config = resolve("experiments/digits_cvt.py")
+    model = build(config).model
     assert isinstance(model.transformer.attention, ConvAttention)
     assert model.transformer.control.values.attention.kq.shape == (4, 3, 3, 64)
-    result = module.main(["--steps", "1"])
-    assert result["step"] == 1 and np.isfinite(result["val_loss"])
+    workdir = tmp_path / "run"
+    argv = ["--config", "experiments/digits_cvt.py", "--workdir", str(workdir)]
+    for o in ("train.steps=1", "train.progress=false", "task.eval_batches=1"):
+        argv += ["--set", o]
+    assert train_main(argv) == 0
+    text_config = apply_overrides(resolve("experiments/smoke.py"), ["model.attention=conv"])
+    with pytest.raises(ConfigError, match="2-D grid of tokens") as e:
+        build(text_config)
+    assert e.value.field == "model.attention"

@@ -4,8 +4,8 @@ One schema, eight sections: the equation (``model``, ``controls``), its
 ``discretisation``, the ``objective``, the ``optimiser``, the ``task``, the
 ``train`` loop and the device ``mesh`` it runs on. Every field carries its allowed
 values (choices or a range) as dataclass metadata, so that validation, ``--set``
-parsing and the documentation all read the same source. Nothing here imports JAX: a bad configuration is rejected before
-anything is traced or allocated.
+parsing and the documentation all read the same source. Nothing here imports JAX: a bad
+configuration is rejected before anything is traced or allocated.
 """
 
 import dataclasses
@@ -48,6 +48,16 @@ class ModelConfig:
     )
     relaxation_eps: float = _field(1e-2, "epsilon of the relaxed formulation", gt=0.0)
     dtype: str = _field("float32", "floating dtype of parameters", choices=("float32", "float64"))
+    attention: str = _field(
+        "dot",
+        "Q/K/V projections: pointwise (dot) or CvT's local kernels over the 2-D token grid "
+        "(conv, image tasks)",
+        choices=("dot", "conv"),
+    )
+    conv_kernel: int = _field(3, "side k of the convolutional projections' k x k kernels", ge=1)
+    conv_init_scale: float = _field(
+        0.5, "noise scale of the initial kernels (unit kernel plus noise)", ge=0.0
+    )
 
 
 @dataclass(frozen=True)

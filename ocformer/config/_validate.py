@@ -201,6 +201,11 @@ def _check_combinations(c: Config) -> None:
             f"divisor of {m.width}",
         )
     _check_mesh(c)
+    if m.attention == "conv" and m.conv_kernel % 2 == 0:
+        raise ConfigError(
+            "model.conv_kernel",
+            f"{m.conv_kernel} has no centre cell: the kernel side must be odd (1, 3, 5, ...)",
+        )
     _check_registered(c)
     found = refusals(choices(c))
     if found:

@@ -27,9 +27,9 @@ def with_conv_projections(
     centre, so the model starts as the plain one) plus N(0, init_scale^2 / k^2) noise,
     a separate key per kernel and layer.
 
-    ``with_scheme`` and ``refine`` rebuild the plain ``Attention`` operator from the
-    model's options; apply this function again after them (with ``init_scale`` 0 it
-    keeps existing kernels: see Raises).
+    ``rediscretise`` and ``refine`` keep the operator and its kernels (they replace only
+    the discretisation); applied to a model that already has kernels, this function
+    keeps them.
 
     Args:
         transformer: a ``ContinuousTransformer`` with piecewise-constant controls.

@@ -455,8 +455,9 @@ def reformulate(
 ) -> ContinuousTransformer:
     """The same controls and operators posed in another formulation (``"split"``,
     ``"projected"`` or ``"relaxed"``), optionally with a new discretisation; unlike
-    ``rediscretise`` this changes the equation, so the model is rebuilt and checked."""
-    return ContinuousTransformer(
+    ``rediscretise`` this changes the equation, so the model is rebuilt and checked (with
+    the same attention operator, e.g. CvT's convolutional one)."""
+    new = ContinuousTransformer(
         model.control,
         norm=model.norm,
         num_heads=model.attention.num_heads,
@@ -469,3 +470,4 @@ def reformulate(
         relaxation_eps=model.relaxation_eps if relaxation_eps is None else relaxation_eps,
         discretisation=model.discretisation if discretisation is None else discretisation,
     )
+    return eqx.tree_at(lambda m: m.attention, new, model.attention)

@@ -20,6 +20,7 @@ from ..models import (
     Readout,
     SequenceModel,
     TokenEmbedding,
+    with_conv_projections,
 )
 from ..objective import Constraints, Objective
 from ..tasks import make_task
@@ -147,6 +148,24 @@ def build_model(config: Config, task, key):
         )
         readout = Readout(m.width, task.num_classes, key=k_read, pooling="cls", dtype=dtype)
     transformer = build_transformer(config, k_control, causal=task.kind == "lm")
+    if m.attention == "conv":
+        if not isinstance(embedding, PatchEmbedding):
+            raise ConfigError(
+                "model.attention",
+                f"convolutional projections act on a 2-D grid of tokens, and task "
+                f"{config.task.name!r} has a sequence; use model.attention=dot, or an "
+                "image task (task.name=digits)",
+            )
+        height, width_px = embedding.input_shape[:2]
+        p = embedding.patch_size
+        transformer = with_conv_projections(
+            transformer,
+            token_grid=(height // p, width_px // p),
+            kernel_size=m.conv_kernel,
+            num_prefix=1,  # the class token
+            key=jr.fold_in(k_control, 1),
+            init_scale=m.conv_init_scale,
+        )
     return SequenceModel(embedding, transformer, readout)
 
 
