@@ -16,7 +16,7 @@ Sections (each described in its module and in benchmarks/README.md):
 
 Usage::
 
-    python -m benchmarks.run --quick --json FILE   # every key, < 2 minutes on 2 cores
+    python -m benchmarks.run --quick --json FILE   # every key; sized for < 2 min on 2 idle cores
     python -m benchmarks.run --json FILE           # more repeats, depths and shapes
     python -m benchmarks.run --tiny --json FILE    # every code path at tiny sizes
 """
@@ -119,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
     )
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="every key, < 2 minutes on 2 cores")
+    mode.add_argument(
+        "--quick", action="store_true", help="every key, sized for < 2 minutes on 2 idle cores"
+    )
     mode.add_argument("--tiny", action="store_true", help="tiny sizes: checks the code paths")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument(
