@@ -23,8 +23,8 @@ lint: setup
 	$(BIN)/pyright
 	$(BIN)/lint-imports
 
-# Full benchmark (about 15 minutes on 2 CPU cores), with the optional PyTorch reference
-# when torch can be installed and the default experiment's short run end to end.
+# The full benchmark, with the optional PyTorch reference when torch can be installed,
+# then the default experiment's short run end to end (benchmarks/README.md).
 bench: setup data
 	$(BIN)/python -m pip install --quiet -e '.[bench]' || echo "torch unavailable: the PyTorch comparison is reported as not run"
 	$(BIN)/python -m benchmarks.run --end-to-end --json benchmarks/results.json

@@ -16,8 +16,9 @@ Depth is varied two ways, each with a fitted log-log slope:
   default shape a layer's parameters (0.8 MB) outweigh its state (0.4 MB), so here the
   methods differ in the constant, not the slope;
 - ``steps``: 4 layers with m steps per layer (the same controls, a finer time grid):
-  parameters are fixed, so the slope is that of what the method stores per step:
-  full storage linear, recursive checkpointing sub-linear, backsolve flat.
+  parameters are fixed, so the slope is that of what the method stores per step
+  (expected: full storage linear, recursive checkpointing sub-linear, backsolve flat;
+  benchmarks/README.md has what is measured).
 
 Compile time (trace, lower, compile) of the default method along ``layers`` is
 recorded; ``compile_growth`` is its ratio between the deepest and the shallowest model.

@@ -49,7 +49,15 @@ CATEGORIES = (
 )
 
 
+# Trace events that are not XLA operations: thread-pool bookkeeping, and the executor's
+# own spans, which enclose the operations they run (its self time is scheduling).
+NOT_OPS = ("ThreadpoolListener", "end: ")
+EXECUTOR = "ThunkExecutor"
+
+
 def category(op: str) -> str:
+    if op.startswith(EXECUTOR):
+        return "executor (scheduling, waiting)"
     for name, pattern in CATEGORIES:
         if pattern.match(op):
             return name
@@ -112,7 +120,7 @@ def profile(step, state: tuple, fixed: tuple, n_state: int, steps: int, trace_di
 
 
 def summarise(times: dict[str, float], sources: dict[str, str], steps: int, top: int) -> dict:
-    per_step = {k: v / steps for k, v in times.items()}
+    per_step = {k: v / steps for k, v in times.items() if not k.startswith(EXECUTOR)}
     total = sum(per_step.values())
     by_category: dict[str, float] = collections.defaultdict(float)
     for op, t in per_step.items():
@@ -120,6 +128,9 @@ def summarise(times: dict[str, float], sources: dict[str, str], steps: int, top:
     ranked = sorted(per_step.items(), key=lambda kv: -kv[1])[:top]
     return {
         "op_time_per_step_s": total,
+        "executor_self_time_per_step_s": sum(
+            v / steps for k, v in times.items() if k.startswith(EXECUTOR)
+        ),
         "by_category": {k: {"s": v, "fraction": v / total} for k, v in by_category.items()},
         "top_ops": [
             {"op": op, "s": t, "fraction": t / total, "source": sources.get(op, "")}
