@@ -378,12 +378,16 @@ class ContinuousTransformer(eqx.Module):
         """u(T) from the embedded input u0, in the dtype of u0."""
         sol = self.solve(u0, key_mask)
         assert sol.ys is not None
-        u_t = sol.ys[-1]
-        if self.final_norm is not None:
-            final = self._in_dtype(u0.dtype).final_norm
-            assert final is not None  # the dtype cast keeps the structure
-            u_t = self.layer_norm(final, u_t)
-        return u_t
+        return self.final_projection(sol.ys[-1])
+
+    def final_projection(self, u_t: State) -> State:
+        """The projection at t = T (the final LayerNorm), in the dtype of ``u_t``;
+        ``u_t`` itself when the model has none."""
+        if self.final_norm is None:
+            return u_t
+        final = self._in_dtype(u_t.dtype).final_norm
+        assert final is not None  # the dtype cast keeps the structure
+        return self.layer_norm(final, u_t)
 
     def layer(self, n: int) -> LayerParams:
         """The controls of layer n (their value on the n-th piece of the grid)."""

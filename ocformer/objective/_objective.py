@@ -3,7 +3,6 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Float, Int
 
 from ..integration import time_grid
@@ -113,8 +112,4 @@ def _forward(
     ys = transformer.solve(u0, key_mask, saveat=grid_saveat(ts)).ys
     assert ys is not None
     kinetic = kinetic_energy_of_states(ts, ys, transformer.attention.grid.h_y, key_mask)
-    u_final = ys[-1]
-    if transformer.final_norm is not None:
-        cast = lambda x: x.astype(u0.dtype) if eqx.is_inexact_array(x) else x  # noqa: E731
-        u_final = transformer.layer_norm(jtu.tree_map(cast, transformer.final_norm), u_final)
-    return u_final, kinetic
+    return transformer.final_projection(ys[-1]), kinetic
