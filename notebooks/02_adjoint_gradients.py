@@ -125,7 +125,12 @@ for name, entry in check["methods"].items():
 
 # %%
 steps = (1, 4) if SMALL else (1, 2, 4, 8)
-comparison = analysis.gradient_comparison(steps_per_layer=steps, solver="heun", seed=0)
+comparison = analysis.gradient_comparison(
+    steps_per_layer=steps,
+    methods=("discretise_then_optimise", "optimise_then_discretise"),
+    solver="heun",
+    seed=0,
+)
 otd = comparison["methods"]["optimise_then_discretise"]
 
 rtols = (1e-3, 1e-6) if SMALL else (1e-3, 1e-5, 1e-7)
@@ -300,7 +305,7 @@ print(
 
 # %%
 with tempfile.TemporaryDirectory() as workdir:
-    trained_config = toy_config(steps=5 if SMALL else 150)
+    trained_config = toy_config(steps=5 if SMALL else 100)
     summary = train(trained_config, workdir)
     _, trained = load_run(workdir)
 initial = build(trained_config).model

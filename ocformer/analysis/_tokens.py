@@ -60,7 +60,8 @@ class Lyapunov(NamedTuple):
     r"""Finite-time Lyapunov exponents.
 
     ``exponents``: the ``num`` largest, in decreasing order, over $[t_0, t_N]$;
-    ``ts`` and ``running``: after each step n, the exponents over $[t_0, t_n]$.
+    ``ts`` and ``running``: after each step n, the exponent of each re-orthonormalised
+    direction over $[t_0, t_n]$ (in the order of the directions, not sorted).
     """
 
     exponents: Float[Array, " k"]
@@ -114,7 +115,9 @@ def lyapunov_exponents(step: Callable, times, y0, num: int, *, seed: int = 0) ->
     q0, _ = jnp.linalg.qr(jr.normal(jr.key(seed), (dim, num), y0.dtype))
     times = jnp.asarray(times, y0.dtype)
     exponents, running = _benettin(step, times, y0, q0)
-    return Lyapunov(exponents, times[1:], running)
+    # Over a short horizon the direction that stretches most need not be the first one
+    # QR kept; sorted, the k-th exponent is the k-th largest.
+    return Lyapunov(jnp.sort(exponents)[::-1], times[1:], running)
 
 
 def model_lyapunov(
