@@ -154,7 +154,7 @@ class StepMap(eqx.Module):
         the gradient density)."""
         model = self.transformer
         terms = model.terms()
-        stepper = bind_solver(model.time_stepper(), terms)
+        stepper = bind_solver(_forward_differentiable(model.time_stepper()), terms)
         args = DynamicsArgs(
             control=model.control if control is None else control, key_mask=self.key_mask
         )
@@ -202,13 +202,14 @@ class StepMap(eqx.Module):
 
 
 def _forward_differentiable(stepper):
-    """The same solver with its stages in a ``lax.scan``: diffrax's default checkpointed
-    stage loop has no forward-mode derivative, and the Lyapunov exponents need one (the
-    numbers are the same)."""
+    """The same solver with its stages in a bounded loop: diffrax's default checkpointed
+    stage loop has no forward-mode derivative (the Lyapunov exponents need one) and a
+    plain ``lax.while_loop`` no reverse-mode one (the costates need that); the bounded
+    loop has both, and the numbers are the same."""
     if isinstance(stepper, ProjectedSolver):
         return ProjectedSolver(_forward_differentiable(stepper.solver))
     if isinstance(stepper, diffrax.AbstractRungeKutta):
-        return dataclasses.replace(stepper, scan_kind="lax")
+        return dataclasses.replace(stepper, scan_kind="bounded")
     return stepper
 
 
