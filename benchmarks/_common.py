@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ocformer
-from ocformer.config import SECTIONS, Config, resolve
+from ocformer.config import Config, resolve
 from ocformer.tasks import AbstractTask, DataNotFoundError
 from ocformer.training import build_task
 
@@ -196,19 +196,6 @@ class RandomTokens(AbstractTask):
         rng = np.random.default_rng([seed, 0 if split == "train" else 1, index])
         window = rng.integers(0, self.vocab_size, (batch_size, self.seq_len + 1), np.int32)
         return {"inputs": window[:, :-1], "targets": window[:, 1:]}
-
-
-def config_field(*spellings: str) -> str:
-    """The first of ``spellings`` (dotted ``section.field`` names of one setting) that
-    the configuration schema has, so that a benchmark names a setting once."""
-    default = Config()
-    for path in spellings:
-        section, name = path.split(".")
-        if section in SECTIONS and name in {
-            f.name for f in dataclasses.fields(getattr(default, section))
-        }:
-            return path
-    raise ValueError(f"The configuration has none of the fields {spellings}.")
 
 
 def experiment_config(overrides: Sequence[str] = ()) -> Config:

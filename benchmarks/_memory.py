@@ -29,12 +29,12 @@ import math
 import equinox as eqx
 import jax.numpy as jnp
 
-from ocformer.gradients import DiscretiseThenOptimise
+from ocformer.integration import DiscretiseThenOptimise
+from ocformer.models import rediscretise
 from ocformer.training import build
 
 from ._common import (
     aot_compile,
-    config_field,
     experiment_config,
     experiment_task,
     jax_compiled,
@@ -52,12 +52,11 @@ DEFAULT_METHOD = METHODS[0]
 
 def method_overrides(method: str) -> list[str]:
     """The configuration of ``method`` as ``section.field=value`` overrides."""
-    gradient = config_field("discretisation.gradient", "gradient.method")
+    gradient = "discretisation.gradient"
     if method.startswith("discretise_then_optimise"):
         return [f"{gradient}=discretise_then_optimise"]
     if method == "optimise_then_discretise_backsolve_heun":
-        stepper = config_field("discretisation.stepper", "solver.name")
-        return [f"{stepper}=heun", f"{gradient}=optimise_then_discretise"]
+        return ["discretisation.stepper=heun", f"{gradient}=optimise_then_discretise"]
     if method == "direct":
         return [f"{gradient}=direct"]
     raise ValueError(f"Unknown method {method!r}; expected one of {METHODS}.")
@@ -70,7 +69,7 @@ def recursive_checkpoints(steps: int) -> int:
 
 
 def measure(overrides, method: str, layers: int, steps_per_layer: int, task) -> dict:
-    steps_field = config_field("discretisation.steps_per_layer", "scheme.steps_per_layer")
+    steps_field = "discretisation.steps_per_layer"
     config = experiment_config(
         [
             *overrides,
@@ -83,7 +82,7 @@ def measure(overrides, method: str, layers: int, steps_per_layer: int, task) -> 
     model = exp.model
     if method == "discretise_then_optimise_recursive":
         checkpoints = recursive_checkpoints(layers * steps_per_layer)
-        model = DiscretiseThenOptimise(checkpoints=checkpoints).prepare(model)
+        model = rediscretise(model, gradient=DiscretiseThenOptimise(checkpoints=checkpoints))
 
     def loss(model, batch):
         return exp.objective(model, batch)[0]

@@ -55,8 +55,8 @@ class Objective(eqx.Module):
         kinetic_energy: $\kappa \ge 0$.
 
     ``__call__(model, batch)`` returns ``(loss, metrics)`` with metrics ``loss``,
-    ``task_loss``, ``accuracy``, ``control_smoothness``, ``control_size`` and, when
-    $\kappa > 0$, ``kinetic_energy`` (unweighted values).
+    ``task_loss``, ``accuracy`` and, for each positive weight, ``control_smoothness``,
+    ``control_size``, ``kinetic_energy`` (unweighted values).
     """
 
     control_smoothness: float = eqx.field(default=0.0, static=True)
@@ -81,15 +81,17 @@ class Objective(eqx.Module):
         logits = model.readout(u_final)
         task_loss, accuracy = cross_entropy(logits, targets)
         m = transformer.steps_per_layer
-        smooth = control_smoothness(transformer.control, m)
-        size = control_size(transformer.control, m)
-        loss = task_loss + self.control_smoothness * smooth + self.control_size * size
-        metrics = {
-            "task_loss": task_loss,
-            "accuracy": accuracy,
-            "control_smoothness": smooth,
-            "control_size": size,
-        }
+        loss = task_loss
+        metrics = {"task_loss": task_loss, "accuracy": accuracy}
+        # A running cost is computed (and reported) only when its weight is positive:
+        # the quadratures evaluate theta on the whole time grid, which costs memory in
+        # the compiled step for nothing when the weight is zero.
+        if self.control_smoothness > 0:
+            metrics["control_smoothness"] = control_smoothness(transformer.control, m)
+            loss = loss + self.control_smoothness * metrics["control_smoothness"]
+        if self.control_size > 0:
+            metrics["control_size"] = control_size(transformer.control, m)
+            loss = loss + self.control_size * metrics["control_size"]
         if kinetic is not None:
             loss = loss + self.kinetic_energy * kinetic
             metrics["kinetic_energy"] = kinetic
