@@ -184,10 +184,11 @@ print(
 
 # %% [markdown]
 # Left: the continuous adjoint is not the gradient of the network on its own coarse
-# grid, and approaches it at the solver's order. Right: under adaptive steps it
-# approaches the finite differences as the tolerance shrinks, while
-# discretise-then-optimise is exact at every tolerance (the numbers are printed under
-# the plot).
+# grid, and approaches it at the solver's order. Right: under adaptive steps both
+# approach the finite differences as the tolerance shrinks, and neither is exact: the
+# accepted step sizes depend on $\theta$, finite differences see that dependence, and
+# backpropagation through the steps treats them as constants (the numbers are printed
+# under the plot).
 
 # %% [markdown]
 # ## The costate across depth
@@ -292,10 +293,9 @@ print(
 )
 
 # %% [markdown]
-# Both continuous adjoints converge to the exact gradient as m grows; the slopes in the
-# legend compare the smooth pre-LN ODE with the projected post-LN dynamics, whose
-# discrete steps end with a projection that the continuous adjoint of the tangent field
-# does not see.
+# Both continuous adjoints converge to the finite differences as m grows; the projected
+# post-LN dynamics, whose discrete steps end with a projection onto $S_1$, start much
+# further off at coarse grids than the smooth pre-LN ODE (the numbers are printed above).
 
 # %% [markdown]
 # ## Random against trained controls
