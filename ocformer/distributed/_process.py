@@ -24,6 +24,9 @@ ENV_TIMEOUT = "OCFORMER_DISTRIBUTED_TIMEOUT_S"
 ENV_HEARTBEAT = "OCFORMER_HEARTBEAT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120
 DEFAULT_HEARTBEAT_S = 60
+# How long a finishing process waits for the others at exit (JAX's default is 300 s; a
+# process that stops on an error should end promptly, so that launchers see it).
+SHUTDOWN_S = 15
 
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
@@ -190,7 +193,9 @@ def initialize(
     if settings is None:
         try:
             jax.distributed.initialize(
-                initialization_timeout=timeout, heartbeat_timeout_seconds=heartbeat
+                initialization_timeout=timeout,
+                heartbeat_timeout_seconds=heartbeat,
+                shutdown_timeout_seconds=SHUTDOWN_S,
             )
         except Exception as e:
             raise DistributedError(
@@ -207,6 +212,7 @@ def initialize(
             process_id=pid,
             initialization_timeout=timeout,
             heartbeat_timeout_seconds=heartbeat,
+            shutdown_timeout_seconds=SHUTDOWN_S,
         )
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
