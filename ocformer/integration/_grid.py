@@ -151,12 +151,13 @@ def adaptive_max_steps(control: AbstractControl, steps_per_layer: int = 1) -> in
 
 
 def adaptive_controller(
-    control: AbstractControl, rtol: float, atol: float, jump_ts: bool = True
+    control: AbstractControl, rtol: float, atol: float, jump_ts: bool = True, dtype=None
 ) -> diffrax.AbstractAdaptiveStepSizeController:
     """A PID controller that steps onto every discontinuity of the control (unless
-    ``jump_ts`` is False: then it is a bare PID controller)."""
+    ``jump_ts`` is False: then it is a bare PID controller); the jump times in ``dtype``,
+    the dtype of the solve's times, as diffrax requires."""
     pid = diffrax.PIDController(rtol=rtol, atol=atol)
     jumps = control.jump_ts
     if not jump_ts or jumps is None or jumps.size == 0:  # e.g. a single layer
         return pid
-    return diffrax.ClipStepSizeController(pid, jump_ts=jnp.asarray(jumps))
+    return diffrax.ClipStepSizeController(pid, jump_ts=jnp.asarray(jumps, dtype))

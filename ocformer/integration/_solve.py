@@ -48,7 +48,7 @@ def solve(
     adaptive = discretisation.is_adaptive
     if adaptive:
         controller = adaptive_controller(
-            control, discretisation.rtol, discretisation.atol, discretisation.jump_ts
+            control, discretisation.rtol, discretisation.atol, discretisation.jump_ts, ts.dtype
         )
         max_steps = adaptive_max_steps(control, discretisation.steps_per_layer)
     else:
