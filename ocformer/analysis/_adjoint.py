@@ -51,7 +51,7 @@ def _control_loss(loss: Callable, model):
 
 
 def _dot(a, b) -> Array:
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return jnp.asarray(sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
 
 
 def gradient_check(

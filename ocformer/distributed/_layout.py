@@ -167,7 +167,7 @@ class Layout:
                 i = names.index("feedforward")
                 if names[i + 1 : i + 2] == ["weights"]:
                     key = tuple(names[: i + 1])
-                    num_weights[key] = max(num_weights.get(key, 0), int(names[i + 2]) + 1)
+                    num_weights[key] = max(num_weights.get(key, 0), int(str(names[i + 2])) + 1)
 
         def sharding(path, leaf):
             axis = _model_axis(path, leaf, num_weights) if self.model > 1 else None

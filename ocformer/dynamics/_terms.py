@@ -31,7 +31,9 @@ class AbstractSplitTerm(diffrax.AbstractTerm):
     """One operator of the split equation: a vector field and a sub-flow."""
 
     @abc.abstractmethod
-    def flow(self, theta: LayerParams, dt, u, args: DynamicsArgs, sub_solver: SubSolver):
+    def flow(
+        self, theta: LayerParams, dt, u, args: DynamicsArgs, sub_solver: SubSolver
+    ) -> Float[Array, "*batch N d"]:
         """Advance ``u`` over a step of size ``dt`` with the controls frozen at theta,
         by ``sub_solver`` if the term has a pointwise field."""
 

@@ -76,7 +76,7 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
         y,
         args,
         record: list | None = None,
-    ):
+    ) -> Array:
         """One step of size dt from y with frozen controls theta.
 
         If ``record`` is a list, the state after every sub-flow is appended to it (for
