@@ -14,29 +14,15 @@ cores (the same model trained by a script with kernels drawn from another key re
 0.9865, 293 of the 297 held-out images, validation loss 0.049).
 """
 
-from ocformer.config import Config, ModelConfig, OptimiserConfig, TaskConfig, TrainConfig
+import dataclasses
+import os
+
+from ocformer.config import Config, load_experiment
 
 
 def get_config(arg: str | None = None) -> Config:
     if arg is not None:
         raise ValueError(f"digits_cvt.py takes no argument, got {arg!r}.")
-    return Config(
-        model=ModelConfig(
-            num_layers=4,
-            width=64,
-            num_heads=4,
-            hidden=128,
-            norm="pre",
-            activation="gelu",
-            attention="conv",
-            conv_kernel=3,
-            conv_init_scale=0.5,
-        ),
-        optimiser=OptimiserConfig(
-            name="adamw", learning_rate=2e-3, warmup_steps=100, weight_decay=0.05
-        ),
-        task=TaskConfig(
-            name="digits", patch_size=2, batch_size=64, eval_batch_size=99, eval_batches=3
-        ),
-        train=TrainConfig(steps=1500, seed=0, eval_every=250, checkpoint_every=500, log_every=10),
-    )
+    vit = load_experiment(os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits_vit.py"))
+    model = dataclasses.replace(vit.model, attention="conv", conv_kernel=3, conv_init_scale=0.5)
+    return dataclasses.replace(vit, model=model)
