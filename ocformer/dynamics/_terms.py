@@ -114,7 +114,7 @@ class ProjectionTerm(AbstractSplitTerm):
     $P_{S_1}$ (backward Euler on the indicator, for any step size).
 
     ``eps_scale`` scales the LayerNorm epsilon of this projection: the paper's closing
-    projection after the averaging step uses 1/4 to stay exact (DESIGN.md section 2).
+    projection after the averaging step uses 1/4 to stay exact: var((a + b)/2) = var(a + b)/4.
     The indicator has no pointwise vector field, so ``vf`` refuses; smooth limits are
     the projected dynamics and the Moreau-Yosida relaxation.
     """
