@@ -9,9 +9,9 @@ Q/K/V projections first apply a 3 x 3 depthwise kernel over the token grid (the 
 token is not convolved), a local integral kernel in x. The kernels are controls of t
 like every other parameter, starting at the unit kernel plus noise of scale 0.5/3.
 
-Expected: validation accuracy about 0.99 after 1500 steps, a few minutes on 2 CPU
-cores (the same model trained by a script with kernels drawn from another key reached
-0.9865, 293 of the 297 held-out images, validation loss 0.049).
+Expected: validation accuracy about 0.98 after 1500 steps (measured 0.983, 292 of the
+297 held-out images, validation loss 0.084, in 176 s on 2 CPU cores shared with other
+work).
 """
 
 import dataclasses
