@@ -776,8 +776,10 @@ def _check_standard(transformer: ContinuousTransformer) -> None:
         raise ValueError(
             "to_pretrained writes the standard layer stack, which is the Lie scheme with "
             "one explicit-Euler step per layer, piecewise-constant controls and the split "
-            f"formulation; this model is discretised otherwise ({d}, formulation "
-            f"{transformer.formulation!r}). Write the model it was derived from, or "
+            "formulation; this model is discretised otherwise (stepper "
+            f"{type(d.stepper).__name__}, steps_per_layer {d.steps_per_layer}, stepsize "
+            f"{d.stepsize!r}, formulation {transformer.formulation!r}). Write the model it "
+            "was derived from, or "
             "rediscretise it back with ocformer.models.rediscretise(model, Discretisation())."
         )
 
