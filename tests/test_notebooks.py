@@ -18,15 +18,8 @@ NOTEBOOKS = [
 ]
 
 
-# 02_adjoint_gradients and 04_continuum_limit train models and take float64 finite
-# differences even at small size, which takes longer on two cores than the whole suite
-# may; they are executed at full size by `make notebooks` (and their committed outputs
-# are checked below).
-SMALL_RUNS = ["01_tour", "03_convergence", "05_token_dynamics"]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SMALL_RUNS)
+@pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_small(name, monkeypatch, tmp_path):
     """Executes the text pair in a fresh kernel, as `make notebooks` does at full size;
     a cell error fails the test (nbclient raises CellExecutionError)."""
