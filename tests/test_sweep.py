@@ -271,7 +271,10 @@ def test_process_record_reads_compile_time_error_line_and_rss(tmp_path):
     assert r["compile_time_s"] == 0.25 + 0.5 + 1.125 + 2
     assert r["cache_hits"] == 1
     assert r["error"] == "ocformer.train: error: NonFiniteError: non-finite loss at step 3"
-    assert 200 < r["peak_rss_mb"] < 400
+    # Linux carries the parent's high-water mark over fork, so a child of a large process
+    # (a test worker that has run JAX) reports at least the parent's peak: only the
+    # lower bound is the child's own.
+    assert r["peak_rss_mb"] > 200
     killed = _run_logged(
         [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
         log,
