@@ -3,6 +3,7 @@ and package versions, the measured matmul peak, and the default experiment's obj
 
 import dataclasses
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ocformer
+from ocformer.checkpointing import atomic_write_text
 from ocformer.config import Config, resolve
 from ocformer.tasks import AbstractTask, DataNotFoundError
 from ocformer.training import build_task
@@ -247,3 +249,9 @@ def donated(step, model):
         return eqx.filter(new_model, eqx.is_array), new_opt, metrics, finite
 
     return jax.jit(call, donate_argnums=(0, 1)), params
+
+
+def write_json(path: str, data) -> None:
+    """Write a result file atomically (a temporary file, then ``os.replace``): an
+    interrupted benchmark never leaves a half-written JSON that looks complete."""
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")

@@ -19,7 +19,6 @@ On a machine without a GPU the first form exits with status 2 and says so.
 """
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from ._common import (
     matmul_peak,
     time_interleaved,
     versions,
+    write_json,
 )
 from ._gpt import gpt_shape, model_flops_per_token
 
@@ -228,9 +228,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"ratio vs flax {result['ratio_vs_flax']:.3f} (remat {result['ratio_vs_flax_remat']:.3f})"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json(args.json, report)
     return report
 
 

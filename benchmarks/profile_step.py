@@ -22,7 +22,6 @@ The trace directory can be opened with TensorBoard's profile plugin or Perfetto.
 import argparse
 import collections
 import glob
-import json
 import re
 import tempfile
 from collections.abc import Sequence
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 from ocformer.training import build, make_train_step
 
 from . import _flax_gpt
-from ._common import donated, experiment_config, experiment_task, jax_compiled
+from ._common import donated, experiment_config, experiment_task, jax_compiled, write_json
 from ._gpt import gpt_shape
 
 CATEGORIES = (
@@ -190,9 +189,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 f"{op['source'][-90:]}"
             )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json(args.json, report)
     return report
 
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 
 from . import _memory, _scan, _train_step
-from ._common import DEFAULT_EXPERIMENT, machine_info, matmul_peak, versions
+from ._common import DEFAULT_EXPERIMENT, machine_info, matmul_peak, versions, write_json
 
 TINY_MODEL = (
     "model.num_layers=2",
@@ -212,9 +212,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     print(format_summary(report))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json(args.json, report)
     return report
 
 

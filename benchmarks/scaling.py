@@ -20,7 +20,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import re  # noqa: E402
 import time  # noqa: E402
@@ -31,6 +30,8 @@ import jax  # noqa: E402
 from ocformer.config import resolve  # noqa: E402
 from ocformer.distributed import Layout  # noqa: E402
 from ocformer.training import build, make_train_step  # noqa: E402
+
+from ._common import write_json  # noqa: E402
 
 MESHES = ((1, 1), (2, 1), (4, 1), (2, 2))
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -115,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             "not a speed-up figure",
             "rows": rows,
         }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
+        write_json(args.json, record)
     return 0
 
 

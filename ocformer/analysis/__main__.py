@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from ..checkpointing import atomic_write_text
+
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -74,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_table(result))
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(result, f, indent=2)
+        atomic_write_text(args.json_path, json.dumps(result, indent=2))
     if args.plot:
         plot_study(result, args.plot)
     return 0
