@@ -46,7 +46,7 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
         if self.num_terms is None:
             raise ValueError(
                 f"{type(self).__name__} does not know how many terms it splits; call "
-                "`.for_terms(terms)` (ocformer.dynamics.solve does this for you)."
+                "`.for_terms(terms)` (ocformer.integration.solve does this for you)."
             )
         # A type built at runtime (diffrax checks the terms against it), not an annotation.
         return MultiTerm[tuple[(AbstractTerm,) * self.num_terms]]  # pyright: ignore[reportInvalidTypeArguments]
@@ -124,7 +124,7 @@ def _split_terms(terms) -> tuple[AbstractSplitTerm, ...]:
     out = []
     for t in terms.terms:
         # diffeqsolve wraps each term to handle the direction of time. Splitting schemes
-        # integrate forward only (ocformer.dynamics.solve always does), so unwrap.
+        # integrate forward only (ocformer.integration.solve always does), so unwrap.
         if isinstance(t, WrapTerm):
             t = t.term
         if not isinstance(t, AbstractSplitTerm):
