@@ -19,9 +19,11 @@ On a machine without a GPU the first form exits with status 2 and says so.
 """
 
 import argparse
+import contextlib
+import functools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import equinox as eqx
 import jax
@@ -174,6 +176,24 @@ def run(size: dict, *, budget_s: float, min_repeats: int, max_repeats: int, dry_
     }
 
 
+@contextlib.contextmanager
+def _attention_implementation(name: str | None) -> Iterator[None]:
+    """Trace both models with ``jax.nn.dot_product_attention(implementation=name)``.
+
+    ocformer's attention operator and the flax reference both call
+    ``jax.nn.dot_product_attention``; ``None`` leaves JAX's default (XLA), ``"cudnn"``
+    selects cuDNN's fused (flash) kernel for both alike."""
+    if name is None:
+        yield
+        return
+    original = jax.nn.dot_product_attention
+    jax.nn.dot_product_attention = functools.partial(original, implementation=name)
+    try:
+        yield
+    finally:
+        jax.nn.dot_product_attention = original
+
+
 def _peak_bytes(m) -> int | None:
     if m is None:
         return None
@@ -197,6 +217,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     parser.add_argument("--batch", type=int, default=GPT2_SMALL["batch"], help="sequences per step")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds of timing")
+    parser.add_argument(
+        "--attention",
+        choices=("xla", "cudnn"),
+        default="xla",
+        help="jax.nn.dot_product_attention implementation for both models (cudnn: fused)",
+    )
     args = parser.parse_args(argv)
     backend = jax.default_backend()
     if not args.dry_run and backend != "gpu":
@@ -210,12 +236,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         raise SystemExit(2)
     size = dict(DRY_RUN) if args.dry_run else dict(GPT2_SMALL, batch=args.batch)
     budget, repeats = (0.2, (3, 10)) if args.dry_run else (args.budget, (10, 1000))
-    result = run(
-        size, budget_s=budget, min_repeats=repeats[0], max_repeats=repeats[1], dry_run=args.dry_run
-    )
+    with _attention_implementation(None if args.attention == "xla" else args.attention):
+        result = run(
+            size,
+            budget_s=budget,
+            min_repeats=repeats[0],
+            max_repeats=repeats[1],
+            dry_run=args.dry_run,
+        )
     report = {
         "benchmark": "ocformer GPT training step on one GPU, bfloat16 compute, float32 master",
         "dry_run": args.dry_run,
+        "attention_implementation": args.attention,
         **result,
         "versions": versions(),
         "machine": machine_info(),
