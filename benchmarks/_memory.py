@@ -25,6 +25,7 @@ recorded; ``compile_growth`` is its ratio between the deepest and the shallowest
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -125,24 +126,41 @@ def run(
     steps_layers: int = 4,
     methods=METHODS,
     random_tokens: bool = False,
+    workers: int = 1,
 ) -> dict:
-    """``memory_vs_depth`` along layers and along steps, and the compile-time growth."""
+    """``memory_vs_depth`` along layers and along steps, and the compile-time growth.
+
+    The default method's layer axis is compiled first, one model at a time, since its
+    compile times are the ``compile_growth`` measurement. The other models only need
+    their memory analysis; with ``workers > 1`` they are compiled that many at a time
+    in threads (XLA compiles outside the GIL)."""
     config = experiment_config(overrides)
     task, task_name = experiment_task(config, random_tokens)
     out: dict = {"task": task_name, "depths": list(depths), "layers": {}, "steps": {}}
     per_layer = [d // steps_layers for d in depths if d % steps_layers == 0]
+    jobs = [(method, depth, 1) for method in methods for depth in depths]
+    # The first row of the steps axis (m = 1) is the same model as on the layer axis
+    # when steps_layers is its first depth.
+    jobs += [
+        (method, steps_layers, m)
+        for method in methods
+        for m in per_layer
+        if not (m == 1 and depths[0] == steps_layers)
+    ]
+    timed = [job for job in jobs if job[0] == DEFAULT_METHOD and job[2] == 1]
+    rows = {job: measure(overrides, *job, task) for job in timed}
+    rest = [job for job in jobs if job not in rows]
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        rows.update(zip(rest, pool.map(lambda job: measure(overrides, *job, task), rest)))
     for method in methods:
-        rows = [measure(overrides, method, depth, 1, task) for depth in depths]
-        out["layers"][method] = _fit(rows, "layers")
-        # The first row of the steps axis (m = 1) is the same model as on the layer
-        # axis when steps_layers is its first depth.
-        rows = [
-            rows[0]
+        out["layers"][method] = _fit([rows[(method, d, 1)] for d in depths], "layers")
+        steps_rows = [
+            rows[(method, depths[0], 1)]
             if (m == 1 and depths[0] == steps_layers)
-            else measure(overrides, method, steps_layers, m, task)
+            else rows[(method, steps_layers, m)]
             for m in per_layer
         ]
-        out["steps"][method] = _fit(rows, "steps")
+        out["steps"][method] = _fit(steps_rows, "steps")
     default = out["layers"].get(DEFAULT_METHOD)
     if default is not None:
         first, last = default["rows"][0], default["rows"][-1]

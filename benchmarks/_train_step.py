@@ -51,6 +51,31 @@ def _rel(a, b) -> float:
     return float(abs(float(a) - float(b)) / max(abs(float(b)), 1e-30))
 
 
+def _model_shape_matmuls(shape, batch: int, budget_s: float) -> dict:
+    """float32 FLOP/s of the feed-forward layer's first product, (B N, d) @ (d, d_ff),
+    through XLA and through PyTorch on the same threads: how fast each backend does the
+    matrix products that dominate the step (benchmarks/README.md, where the time goes)."""
+    rows, inner, cols = batch * shape.seq_len, shape.width, shape.hidden
+    rng = np.random.default_rng(0)
+    a_np = rng.standard_normal((rows, inner), np.float32)
+    b_np = rng.standard_normal((inner, cols), np.float32)
+    a, b = jnp.asarray(a_np), jnp.asarray(b_np)
+    matmul = jax.jit(jnp.matmul).lower(a, b).compile()
+    candidates = [Candidate("xla", lambda: jax.block_until_ready(matmul(a, b)))]
+    torch = _torch_gpt.torch
+    if torch is not None:
+        ta, tb = torch.from_numpy(a_np), torch.from_numpy(b_np)
+        candidates.append(Candidate("torch", lambda: torch.matmul(ta, tb)))
+    timing = time_interleaved(candidates, budget_s, 10, 2000)
+    flops = 2.0 * rows * inner * cols
+    rates = {name: flops / t["median_s"] for name, t in timing.items()}
+    return {
+        "shape": [rows, inner, cols],
+        "flop_per_s": rates,
+        "xla_over_torch_time": rates["torch"] / rates["xla"] if "torch" in rates else None,
+    }
+
+
 def _torch_candidates(exp, shape, batch_np, oc_loss, modes, seed):
     """PyTorch candidates by mode, and per mode either its compile time or why not."""
     torch = _torch_gpt.torch
@@ -163,6 +188,7 @@ def run(
 
     with CompileCounter() as compiles:
         timings = time_interleaved(candidates, budget_s, min_repeats, max_repeats)
+    matmuls = _model_shape_matmuls(shape, b, budget_s / 4)
 
     med = {k: v["median_s"] for k, v in timings.items()}
     torch_best = min((k for k in med if k.startswith("torch_")), key=med.get, default=None)
@@ -197,6 +223,7 @@ def run(
         "xla_flops_per_step": xla_flops,
         "achieved_flop_per_s": achieved,
         "flops_fraction": None if peak_flop_per_s is None else achieved / peak_flop_per_s,
+        "matmul_at_model_shape": matmuls,
     }
     return report
 

@@ -57,12 +57,13 @@ MODES = {
         memory_overrides=TINY_MODEL[1:],
         matmul=(256, 0.2),
         random_tokens=True,
+        memory_workers=1,
     ),
     "quick": dict(
         scan=_scan.QUICK,
-        scan_budget=6.0,
+        scan_budget=4.0,
         step_overrides=(),
-        step_budget=12.0,
+        step_budget=8.0,
         repeats=(10, 400),
         # torch.compile alone takes longer than the whole quick budget on 2 cores.
         torch_modes=("eager",),
@@ -70,6 +71,8 @@ MODES = {
         memory_overrides=(),
         matmul=(1024, 2.0),
         random_tokens=False,
+        # Memory analyses of the other models compiled two at a time.
+        memory_workers=2,
     ),
     "full": dict(
         scan=_scan.FULL,
@@ -82,6 +85,7 @@ MODES = {
         memory_overrides=(),
         matmul=(2048, 5.0),
         random_tokens=False,
+        memory_workers=1,
     ),
 }
 
@@ -165,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         depths=m["depths"],
         steps_layers=m["depths"][0],
         random_tokens=m["random_tokens"],
+        workers=m["memory_workers"],
     )
     e2e = None
     if args.end_to_end:
@@ -237,6 +242,10 @@ def format_summary(r: dict) -> str:
         ),
         f"tokens/s {s['tokens_per_s']:.0f}; flops_fraction {_fmt(r['flops_fraction'])} of "
         f"{r['matmul_peak']['median_flop_per_s'] / 1e9:.1f} GFLOP/s measured matmul peak",
+        "matmul at the model's shape (GFLOP/s): "
+        + ", ".join(
+            f"{k} {v / 1e9:.1f}" for k, v in s["matmul_at_model_shape"]["flop_per_s"].items()
+        ),
         _scan.format_table(r["scan"]["results"]),
         f"ratio_vs_scan {_fmt(r['ratio_vs_scan'])}, ratio_vs_scan_remat "
         f"{_fmt(r['ratio_vs_scan_remat'])}, forward_ratio_vs_scan "

@@ -63,6 +63,11 @@ def test_tiny_run_writes_every_key(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["mode"] == "tiny"
+    assert "ratio_vs_scan" in proc.stdout
+    assert set(r["shapes"]) >= {"d", "heads", "d_ff", "N", "B", "L", "dtype"}
+    assert r["shapes"]["dtype"] == "float32"
+    assert set(r["versions"]) >= {"jax", "diffrax", "equinox"}
+    assert set(r["machine"]) >= {"cpu_model", "cpu_cores", "platform"}
     for key in TOP_LEVEL:
         assert _finite(r[key]) and r[key] > 0, (key, r[key])
     # PyTorch: a ratio, or null with the reason.
@@ -93,6 +98,12 @@ def test_tiny_run_writes_every_key(tmp_path):
         assert rows[-1]["argument_bytes"] > rows[0]["argument_bytes"]
     # The scan guard: the two implementations agree to float32 rounding.
     (scan,) = r["scan"]["results"]
+    assert set(scan["median_s"]) == {
+        "ocformer_fwd_bwd", "scan_fwd_bwd", "scan_remat_fwd_bwd", "ocformer_fwd", "scan_fwd",
+    }  # fmt: skip
+    assert set(scan["compile_s"]) == set(scan["median_s"])
+    for key in ("ratio_vs_scan", "ratio_vs_scan_remat", "forward_ratio_vs_scan"):
+        assert r[key] == scan[key]
     assert scan["max_rel_diff_output"] < 1e-5 and scan["max_rel_diff_grad"] < 1e-4
 
 

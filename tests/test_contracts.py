@@ -5,14 +5,7 @@
 - dtypes are preserved: float32 in, float32 out (and float32 gradients); float64 in,
   float64 out, whatever the dtype the model was built in.
 - Two calls give bitwise-equal results.
-- The zero-cost benchmark runs end to end in its tiny mode and writes its JSON keys.
 """
-
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -22,8 +15,6 @@ import pytest
 from _layers import random_stack
 
 from ocformer.convert import from_layers
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _layers(seed, dtype=np.float64):
@@ -117,51 +108,3 @@ def test_two_calls_are_bitwise_equal(norm):
     first, second = jitted(model, u, mask), jitted(model, u, mask)
     np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     np.testing.assert_array_equal(np.asarray(model(u, mask)), np.asarray(model(u, mask)))
-
-
-# ---------------------------------------------------------------------------------------
-# The zero-cost benchmark, in its tiny mode.
-
-BENCHMARK_KEYS = {
-    "ratio_vs_scan",
-    "ratio_vs_scan_remat",
-    "forward_ratio_vs_scan",
-    "shapes",
-    "results",
-    "versions",
-    "machine",
-    "mode",
-}
-
-
-@pytest.mark.slow
-def test_benchmark_tiny_mode_writes_its_json(tmp_path):
-    out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--tiny", "--json", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ratio_vs_scan" in proc.stdout
-    report = json.loads(out.read_text())
-    assert set(report) >= BENCHMARK_KEYS
-    assert report["mode"] == "tiny"
-    assert set(report["shapes"]) >= {"d", "heads", "d_ff", "N", "B", "L", "dtype"}
-    assert report["shapes"]["dtype"] == "float32"
-    assert set(report["versions"]) >= {"jax", "diffrax", "equinox"}
-    assert set(report["machine"]) >= {"cpu_model", "cpu_cores", "platform"}
-    (result,) = report["results"]
-    assert set(result["median_s"]) == {
-        "ocformer_fwd_bwd", "scan_fwd_bwd", "scan_remat_fwd_bwd", "ocformer_fwd", "scan_fwd",
-    }  # fmt: skip
-    assert set(result["compile_s"]) == set(result["median_s"])
-    for key in ("ratio_vs_scan", "ratio_vs_scan_remat", "forward_ratio_vs_scan"):
-        assert 0 < report[key] < 100 and report[key] == result[key]
-    # The two implementations compute the same function, to float32 rounding.
-    assert result["max_rel_diff_output"] < 1e-5
-    assert result["max_rel_diff_grad"] < 1e-4

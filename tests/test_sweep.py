@@ -27,6 +27,7 @@ from ocformer.sweeping import (
     run_sweep,
     slurm_options,
 )
+from ocformer.sweeping._results import METRICS, plot
 from ocformer.sweeping._run import _run_logged, read_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,9 +369,35 @@ def test_report_aggregates_over_seeds(tmp_path):
     assert g2["n"] == 2 and g2["failed"] == 1
     md = (tmp_path / "results.md").read_text()
     assert "| 2 | 2 (1 failed) |" in md and " +- " in md
-    assert {os.path.basename(p) for p in out["plots"]} >= {
-        "final_val_loss_vs_model_num_layers.png",
-        "nfe_vs_model_num_layers.png",
+    plots = {os.path.basename(p) for p in out["plots"]}
+    assert "final_val_loss_vs_model_num_layers.png" in plots
+    # NFE is 4 at every point: a flat line is not drawn.
+    assert "nfe_vs_model_num_layers.png" not in plots
+
+
+def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path):
+    """A categorical axis (the solver) becomes the lines, the numeric one (steps) the x
+    axis; the loss-against-NFE picture joins each solver's points in order of cost."""
+    groups = []
+    for solver, stages in (("euler", 1), ("heun", 2)):
+        for steps in (1, 2, 4):
+            g = dict.fromkeys(METRICS)
+            g.update({"discretisation.stepper": solver, "discretisation.steps_per_layer": steps})
+            g["final_val_loss"] = (1.0 / (steps * stages), 0.0, 1)
+            g["nfe"] = (float(steps * stages), 0.0, 1)
+            groups.append(g)
+    info = {
+        "name": "solvers",
+        "train_fields": ["discretisation.stepper", "discretisation.steps_per_layer"],
+        "eval_fields": [],
+        "seed_field": "train.seed",
+        "num_seeds": 1,
+    }
+    names = {os.path.basename(p) for p in plot(groups, info, str(tmp_path))}
+    assert names == {
+        "final_val_loss_vs_discretisation_steps_per_layer.png",
+        "nfe_vs_discretisation_steps_per_layer.png",
+        "final_val_loss_vs_cost_nfe.png",
     }
 
 

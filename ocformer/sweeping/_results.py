@@ -199,6 +199,7 @@ _MD_METRICS = (
     "final_val_loss",
     "best_val_loss",
     "final_val_accuracy",
+    "solver_steps",
     "nfe",
     "train_steps_per_s",
     "wall_time_s",
@@ -232,9 +233,16 @@ def _is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+def _numeric(groups: list[dict], key: str) -> bool:
+    return all(_is_number(g[key]) for g in groups)
+
+
 def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
-    """Each metric against each axis (numeric axes on a numeric scale, logarithmic
-    where the values span a decade or more), one line per value of the other axes."""
+    """Each metric against each numeric axis (logarithmic where the values span a
+    decade or more), one line per value of the other axes; a sweep without numeric
+    axes puts each categorical axis on x instead. Where the vector-field evaluations
+    (or solver steps) vary, the validation loss is also drawn against them:
+    ``final_val_loss_vs_cost_nfe.png``, the accuracy-cost picture."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -242,28 +250,43 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
 
     keys = _group_keys(info)
     varying = [k for k in keys if len({json.dumps(g[k]) for g in groups}) > 1]
+    numeric_axes = [k for k in varying if _numeric(groups, k)]
     os.makedirs(folder, exist_ok=True)
     written = []
-    for x in varying:
+
+    def save(fig, ax, title: str, file: str) -> None:
+        ax.set_title(f"{info['name']}: {title}", fontsize=10)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        path = os.path.join(folder, file)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    def ylabel(m: str) -> str:
+        return m + (" (mean +- std over seeds)" if info["num_seeds"] > 1 else "")
+
+    for x in numeric_axes or varying:
         xs_all = [g[x] for g in groups]
-        numeric = all(_is_number(v) for v in xs_all)
+        numeric = x in numeric_axes
         categories = sorted({json.dumps(v) for v in xs_all})
         others = [k for k in varying if k != x]
         # Along an evaluation axis only what the evaluation measures changes.
         candidates = _EVAL_PLOTS if x.startswith("eval.") else _PLOTS
         metrics = [
-            m for m in candidates if len({json.dumps(g[x]) for g in groups if g[m] is not None}) > 1
+            m
+            for m in candidates
+            if len({json.dumps(g[x]) for g in groups if g[m] is not None}) > 1
+            and len({g[m][0] for g in groups if g[m] is not None}) > 1
         ]
         for m in metrics:
             fig, ax = plt.subplots(figsize=(5.5, 3.8))
             lines: dict[tuple, list] = {}
             for g in groups:
-                if g[m] is None:
-                    continue
-                lines.setdefault(tuple(str(g[k]) for k in others), []).append(g)
-            if not lines:
-                plt.close(fig)
-                continue
+                if g[m] is not None:
+                    lines.setdefault(tuple(str(g[k]) for k in others), []).append(g)
             for label, members in sorted(lines.items()):
                 if numeric:
                     members = sorted(members, key=lambda g: g[x])
@@ -271,10 +294,15 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
                 else:
                     members = sorted(members, key=lambda g: categories.index(json.dumps(g[x])))
                     xs = [categories.index(json.dumps(g[x])) for g in members]
-                ys = [g[m][0] for g in members]
-                es = [g[m][1] for g in members]
                 name = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(others, label))
-                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name or None)
+                ax.errorbar(
+                    xs,
+                    [g[m][0] for g in members],
+                    yerr=[g[m][1] for g in members],
+                    marker="o",
+                    capsize=3,
+                    label=name or None,
+                )
             if numeric:
                 pos = [v for v in xs_all if v > 0]
                 if len(pos) == len(xs_all) and max(pos) / min(pos) >= 10:
@@ -286,16 +314,38 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
             if m in _LOWER_IS_BETTER_LOG and min(ys_all) > 0 and max(ys_all) / min(ys_all) >= 10:
                 ax.set_yscale("log")
             ax.set_xlabel(x)
-            ax.set_ylabel(m + (" (mean +- std over seeds)" if info["num_seeds"] > 1 else ""))
-            ax.set_title(f"{info['name']}: {m} vs {x.split('.')[-1]}", fontsize=10)
-            if others:
-                ax.legend(fontsize=7)
-            ax.grid(True, alpha=0.3)
-            fig.tight_layout()
-            file = os.path.join(folder, f"{m}_vs_{x.replace('.', '_')}.png")
-            fig.savefig(file, dpi=100)
-            plt.close(fig)
-            written.append(file)
+            ax.set_ylabel(ylabel(m))
+            save(fig, ax, f"{m} vs {x.split('.')[-1]}", f"{m}_vs_{x.replace('.', '_')}.png")
+
+    # Accuracy against cost: one line per value of the categorical axes, through the
+    # numeric ones in the order of their cost.
+    categorical = [k for k in varying if k not in numeric_axes]
+    for cost in ("nfe", "solver_steps"):
+        costed = [g for g in groups if g[cost] is not None and g["final_val_loss"] is not None]
+        if len({g[cost][0] for g in costed}) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        lines = {}
+        for g in costed:
+            lines.setdefault(tuple(str(g[k]) for k in categorical), []).append(g)
+        for label, members in sorted(lines.items()):
+            members = sorted(members, key=lambda g: g[cost][0])
+            name = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in zip(categorical, label))
+            ax.errorbar(
+                [g[cost][0] for g in members],
+                [g["final_val_loss"][0] for g in members],
+                yerr=[g["final_val_loss"][1] for g in members],
+                marker="o",
+                capsize=3,
+                label=name or None,
+            )
+        costs = [g[cost][0] for g in costed]
+        if min(costs) > 0 and max(costs) / min(costs) >= 10:
+            ax.set_xscale("log")
+        ax.set_xlabel(f"{cost} (one forward solve)")
+        ax.set_ylabel(ylabel("final_val_loss"))
+        save(fig, ax, f"final_val_loss vs {cost}", f"final_val_loss_vs_cost_{cost}.png")
+        break
     return written
 
 
