@@ -22,6 +22,7 @@ from ._gpt import GPTShape
 class Block(nn.Module):
     shape: GPTShape
     dtype: jnp.dtype = jnp.float32
+    attention: str | None = None  # jax.nn.dot_product_attention's implementation
 
     @nn.compact
     def __call__(self, x):
@@ -31,7 +32,8 @@ class Block(nn.Module):
         h = nn.LayerNorm(epsilon=s.ln_eps, dtype=self.dtype, name="ln1")(x)
         qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(h)
         q, k, v = (z.reshape(b, n, s.heads, dh) for z in jnp.split(qkv, 3, axis=-1))
-        z = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, n, d)
+        z = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        z = z.reshape(b, n, d)
         x = x + nn.Dense(d, dtype=self.dtype, name="proj")(z)
         h = nn.LayerNorm(epsilon=s.ln_eps, dtype=self.dtype, name="ln2")(x)
         h = nn.Dense(s.hidden, dtype=self.dtype, name="fc")(h)
@@ -43,6 +45,7 @@ class GPT(nn.Module):
     shape: GPTShape
     remat: bool = False
     dtype: jnp.dtype = jnp.float32
+    attention: str | None = None
 
     @nn.compact
     def __call__(self, tokens):
@@ -52,7 +55,7 @@ class GPT(nn.Module):
         x = (x + pos[None, : tokens.shape[1]]).astype(self.dtype)
         block = nn.remat(Block) if self.remat else Block
         for i in range(s.layers):
-            x = block(s, self.dtype, name=f"block{i}")(x)
+            x = block(s, self.dtype, self.attention, name=f"block{i}")(x)
         x = nn.LayerNorm(epsilon=s.ln_eps, dtype=self.dtype, name="ln_f")(x)
         return nn.Dense(s.vocab, dtype=self.dtype, name="head")(x).astype(jnp.float32)
 

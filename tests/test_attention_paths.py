@@ -8,6 +8,7 @@ literal form of the same parameters, and against an independent numpy reference,
 and without causality, key masks, biases and the output map.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -111,3 +112,23 @@ def test_unbatched_state(rng):
     reference = _numpy_attention(p, u[None], heads, True, None)[0]
     assert out.shape == (n, d)
     np.testing.assert_allclose(np.asarray(out), reference, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cudnn_kernel_choice(rng, dtype):
+    """``kernel="cudnn"`` is cuDNN's fused kernel on an NVIDIA GPU for half-precision
+    states (checked against the numpy reference to bfloat16 rounding); everywhere else
+    it is the XLA computation, bit for bit."""
+    heads, d = 2, 16
+    p = _params(rng, d, biases=True, output_map=True)
+    u = rng.standard_normal((2, 8, d))
+    want = _numpy_attention(p, u, heads, True, None)
+    xla = Attention(num_heads=heads, causal=True)(_as(p, dtype), jnp.asarray(u, dtype))
+    fused = Attention(num_heads=heads, causal=True, kernel="cudnn")
+    got = fused(_as(p, dtype), jnp.asarray(u, dtype))
+    if jax.default_backend() == "gpu" and dtype == jnp.bfloat16:
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=0.1, rtol=0.05)
+    else:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(xla))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        Attention(num_heads=heads, kernel="flash")

@@ -54,6 +54,12 @@ class ModelConfig:
         "(conv, image tasks)",
         choices=("dot", "conv"),
     )
+    attention_kernel: str = _field(
+        "xla",
+        "scaled dot-product attention through XLA, or cuDNN's fused kernel (cudnn: NVIDIA "
+        "GPUs, bfloat16/float16 states; elsewhere XLA)",
+        choices=("xla", "cudnn"),
+    )
     conv_kernel: int = _field(3, "side k of the convolutional projections' k x k kernels", ge=1)
     conv_init_scale: float = _field(
         0.5, "noise scale of the initial kernels (unit kernel plus noise)", ge=0.0

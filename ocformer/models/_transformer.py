@@ -105,6 +105,8 @@ class ContinuousTransformer(eqx.Module):
         relaxation_eps: epsilon of the relaxation.
         discretisation: how the equation is solved (default ``Discretisation()``: the
             Lie scheme with one step per layer, discretise-then-optimise).
+        attention_kernel: ``"xla"`` or ``"cudnn"`` (cuDNN's fused attention for
+            bfloat16/float16 states on NVIDIA GPUs; see ``ocformer.operators.Attention``).
     """
 
     control: AbstractControl
@@ -131,6 +133,7 @@ class ContinuousTransformer(eqx.Module):
         formulation: Formulation = "split",
         relaxation_eps: float = 1e-2,
         discretisation: Discretisation | None = None,
+        attention_kernel: str = "xla",
     ):
         if norm not in ("post", "pre"):
             raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}.")
@@ -151,7 +154,9 @@ class ContinuousTransformer(eqx.Module):
                 f"{type(discretisation).__name__}."
             )
         self.control = control
-        self.attention = Attention(num_heads=num_heads, causal=causal, grid=grid)
+        self.attention = Attention(
+            num_heads=num_heads, causal=causal, grid=grid, kernel=attention_kernel
+        )
         self.feedforward = FeedForward(activation=activation, grid=grid)
         self.layer_norm = LayerNormProjection(eps=ln_eps)
         self.final_norm = final_norm

@@ -17,13 +17,15 @@ def cross_entropy(
     """Mean cross-entropy and accuracy over the entries whose target is >= 0.
 
     A target of -1 marks a position the task does not score (the synthetic tasks' random
-    source symbols); an all-ignored batch gives 0, never NaN.
+    source symbols); an all-ignored batch gives 0, never NaN. Half-precision logits
+    are promoted to float32 first, so a bfloat16 model's loss is not rounded to 8 bits.
     """
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"logits {logits.shape} and targets {targets.shape} disagree: targets must have "
             "the logits' shape without the last (class) axis."
         )
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     valid = targets >= 0
     safe = jnp.where(valid, targets, 0)
     logp = jax.nn.log_softmax(logits, axis=-1)

@@ -14,6 +14,10 @@ from ._grid import Grid, constant_in_x
 # Dtypes for which the score softmax may run in float32: jax.nn.dot_product_attention
 # always computes it in float32, which would round a float64 model to single precision.
 _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+# What cuDNN's fused attention kernel takes: half-precision states, head widths a
+# multiple of 8 up to 128.
+_CUDNN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+KERNELS = ("xla", "cudnn")
 
 
 def _transform(u, w, b, h_y: float):
@@ -46,17 +50,25 @@ class Attention(eqx.Module):
         num_heads: number of heads H; must divide the feature width d.
         causal: restrict to $x' \le x$.
         grid: quadrature spacings.
+        kernel: ``"xla"`` (default) or ``"cudnn"``: with unit spacings, where the
+            operator is scaled dot-product attention, ``"cudnn"`` computes it with
+            cuDNN's fused (flash) kernel on an NVIDIA GPU for bfloat16/float16 states
+            without a key mask and with head widths a multiple of 8 up to 128; every
+            other case (CPU, float32, float64, masks) is computed as with ``"xla"``.
     """
 
     num_heads: int = eqx.field(static=True)
     causal: bool = eqx.field(default=False, static=True)
     grid: Grid = Grid()
+    kernel: str = eqx.field(default="xla", static=True)
 
     def __check_init__(self):
         if not (isinstance(self.num_heads, int) and self.num_heads >= 1):
             raise ValueError(
                 f"Attention.num_heads must be a positive integer, got {self.num_heads!r}."
             )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"Attention.kernel must be one of {KERNELS}, got {self.kernel!r}.")
 
     def __call__(
         self,
@@ -103,8 +115,22 @@ class Attention(eqx.Module):
         qkv = _transform(u, w, b, 1.0).reshape(-1, n, 3, heads, d // heads)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         mask = None if key_mask is None else key_mask.reshape(-1, 1, 1, n)
-        z = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal)
+        z = jax.nn.dot_product_attention(
+            q, k, v, mask=mask, is_causal=self.causal, implementation=self._implementation(u, mask)
+        )
         return z.reshape(*batch, n, d)
+
+    def _implementation(self, u, mask) -> str | None:
+        dh = u.shape[-1] // self.num_heads
+        fused = (
+            self.kernel == "cudnn"
+            and jax.default_backend() == "gpu"
+            and u.dtype in _CUDNN_DTYPES
+            and mask is None
+            and dh % 8 == 0
+            and dh <= 128
+        )
+        return "cudnn" if fused else None
 
     def _integral_form(self, p: AttentionParams, u, key_mask):
         *batch, n, d = u.shape

@@ -128,6 +128,7 @@ def build_transformer(config: Config, key, *, causal: bool):
             formulation=cast(Any, m.formulation),
             relaxation_eps=m.relaxation_eps,
             discretisation=build_discretisation(config),
+            attention_kernel=m.attention_kernel,
         )
     except IncompatibleError as e:  # validation runs the same rules; kept for direct use
         raise ConfigError(e.field, str(e).split(": ", 1)[1]) from None
