@@ -82,6 +82,24 @@ def test_pid_steps_onto_control_jumps():
     np.testing.assert_allclose(ys[len(accepted) - 1], pid(u0), rtol=0, atol=1e-14)
 
 
+@pytest.mark.parametrize("steps_per_layer", [1, 4])
+def test_pid_starts_with_one_grid_step(steps_per_layer):
+    """Under PID, ``steps_per_layer`` sets the first step (1 / steps_per_layer of a
+    layer): at a loose tolerance it is accepted as it is."""
+    values = init_stacked_params(jr.PRNGKey(0), 2, 8, 16, init_scale=0.1, dtype=jnp.float64)
+    u0 = jr.normal(jr.PRNGKey(1), (5, 8), jnp.float64)
+    pid = ContinuousTransformer(
+        PiecewiseConstant(values),
+        norm="pre",
+        num_heads=2,
+        discretisation=Discretisation(
+            diffrax.Tsit5(), stepsize="pid", steps_per_layer=steps_per_layer, rtol=1.0, atol=1.0
+        ),
+    )
+    ts = np.asarray(pid.trajectory(u0)[0])
+    assert ts[0] == 0.0 and ts[1] == pytest.approx(1.0 / steps_per_layer, rel=1e-12)
+
+
 def test_single_layer_has_no_jumps_to_step_onto():
     # One piece: the control has no interior jump; PID and the constant grid both run.
     control = PiecewiseConstant(

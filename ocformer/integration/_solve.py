@@ -39,7 +39,8 @@ def solve(
     - constant steps: ``StepTo`` with ``steps_per_layer`` steps per layer (stepping over
       the controls' jumps where a Runge-Kutta stage would read them); ``max_steps`` is
       the step count;
-    - ``"pid"``: a PID controller that stops at the jumps; ``max_steps`` is
+    - ``"pid"``: a PID controller that stops at the jumps, starting with one step of
+      the grid (``1 / steps_per_layer`` of the first layer); ``max_steps`` is
       ``ADAPTIVE_STEPS_PER_LAYER`` times the grid's step count;
     - the adjoint is ``discretisation.gradient.adjoint(...)`` for this grid.
     """
@@ -62,7 +63,7 @@ def solve(
         stepper,
         t0=ts[0],
         t1=ts[-1],
-        dt0=None,
+        dt0=ts[1] - ts[0] if adaptive else None,
         y0=u0,
         args=DynamicsArgs(control=control, key_mask=key_mask),
         stepsize_controller=controller,
