@@ -247,6 +247,14 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    def log_x(ax) -> None:
+        # Plain numbers (1, 2, 4, ...) on a logarithmic axis, no labelled minor ticks.
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
 
     keys = _group_keys(info)
     varying = [k for k in keys if len({json.dumps(g[k]) for g in groups}) > 1]
@@ -306,7 +314,8 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
             if numeric:
                 pos = [v for v in xs_all if v > 0]
                 if len(pos) == len(xs_all) and max(pos) / min(pos) >= 10:
-                    ax.set_xscale("log")
+                    log_x(ax)
+                    ax.set_xticks(sorted(set(xs_all)))
             else:
                 ax.set_xticks(range(len(categories)))
                 ax.set_xticklabels([json.loads(c) for c in categories], rotation=20)
@@ -341,7 +350,7 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
             )
         costs = [g[cost][0] for g in costed]
         if min(costs) > 0 and max(costs) / min(costs) >= 10:
-            ax.set_xscale("log")
+            log_x(ax)
         ax.set_xlabel(f"{cost} (one forward solve)")
         ax.set_ylabel(ylabel("final_val_loss"))
         save(fig, ax, f"final_val_loss vs {cost}", f"final_val_loss_vs_cost_{cost}.png")
