@@ -112,10 +112,15 @@ def measure(overrides, method: str, layers: int, steps_per_layer: int, task) -> 
 
 def _fit(rows, key: str) -> dict:
     xs = [r[key] for r in rows]
+    first, last = rows[0], rows[-1]
     return {
         "rows": rows,
         "temp_slope": log_log_slope(xs, [r["temp_bytes"] for r in rows]),
         "peak_slope": log_log_slope(xs, [r["peak_bytes"] for r in rows]),
+        # What one more layer (or step) adds: the constant part of the footprint, which
+        # flattens the log-log slopes, drops out.
+        "temp_bytes_per_unit": (last["temp_bytes"] - first["temp_bytes"])
+        / (last[key] - first[key]),
     }
 
 

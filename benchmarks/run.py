@@ -61,9 +61,9 @@ MODES = {
     ),
     "quick": dict(
         scan=_scan.QUICK,
-        scan_budget=4.0,
+        scan_budget=3.0,
         step_overrides=(),
-        step_budget=8.0,
+        step_budget=6.0,
         repeats=(10, 400),
         # torch.compile alone takes longer than the whole quick budget on 2 cores.
         torch_modes=("eager",),
@@ -195,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 "layers_peak_slope": memory["layers"][name]["peak_slope"],
                 "steps_temp_slope": memory["steps"][name]["temp_slope"],
                 "steps_peak_slope": memory["steps"][name]["peak_slope"],
+                "layers_temp_bytes_per_layer": memory["layers"][name]["temp_bytes_per_unit"],
+                "steps_temp_bytes_per_step": memory["steps"][name]["temp_bytes_per_unit"],
             }
             for name in memory["layers"]
         },
@@ -254,9 +256,12 @@ def format_summary(r: dict) -> str:
         f"compile_growth_4_to_64 {_fmt(r['compile_growth_4_to_64'])} "
         f"(layers {r['memory']['compile_growth']['from_layers']} -> "
         f"{r['memory']['compile_growth']['to_layers']})",
-        "memory_vs_depth log-log slopes of temp bytes (against layers, against steps):",
+        "memory_vs_depth, temp bytes: log-log slopes against layers and steps; "
+        "MB per layer and per step:",
         *(
-            f"  {k:<42} {v['layers_temp_slope']:6.2f} {v['steps_temp_slope']:6.2f}"
+            f"  {k:<42} {v['layers_temp_slope']:6.2f} {v['steps_temp_slope']:6.2f} "
+            f"{v['layers_temp_bytes_per_layer'] / 1e6:8.3f} "
+            f"{v['steps_temp_bytes_per_step'] / 1e6:8.3f}"
             for k, v in r["memory_vs_depth"].items()
         ),
     ]

@@ -8,10 +8,16 @@ The smoke model trained once (200 steps) at one step per layer with Lie splittin
 exactly a Transformer, with piecewise-constant controls and with controls piecewise
 linear in t, 2 seeds each (4 trainings); every trained model is then evaluated, without
 training again, at 1, 2, 4, 8 and 16 steps per layer under Lie and under Strang
-(midpoint sub-solver). Expected: with piecewise-constant controls the validation loss
-moves away from the trained value as the step count grows (the network is its own
-discretisation, not a solution of the equation); with smooth controls it changes less
-and settles as the steps per layer grow, towards the continuous limit. Not yet measured.
+(midpoint sub-solver).
+
+Measured (commit 160d726, 2 CPU cores, 3.5 minutes): validation loss, mean over 2 seeds.
+Piecewise-constant controls: 0.561 as trained; Lie 0.887 / 1.145 / 1.277 / 1.342 at 2 /
+4 / 8 / 16 steps per layer; Strang 1.356 / 1.400 / 1.405 / 1.407 / 1.407 at 1 to 16.
+Piecewise-linear controls: 0.584 as trained; Lie 0.777 / 0.931 / 1.018 / 1.064; Strang
+1.035 / 1.089 / 1.105 / 1.109 / 1.110. Both discretisations converge to one limit per
+model (Strang, second order, settles by 4 steps per layer); the trained Transformer sits
+0.85 from its continuous limit with piecewise-constant controls and 0.53 with
+controls linear in t.
 """
 
 from ocformer.sweeping import Sweep, axis, zipped

@@ -7,9 +7,15 @@ Command:
 
 Lie, Strang (midpoint sub-solver, second order) and parallel splitting x 1, 2, 4 steps
 per layer x 2 seeds (18 runs) on the smoke copy task, 200 training steps each: the
-model is trained under the discretisation it is evaluated with. Expected: cost (wall
-time, solver steps) grows linearly with the steps per layer; the validation loss
-changes far less than the cost. Not yet measured.
+model is trained under the discretisation it is evaluated with.
+
+Measured (commit 160d726, 2 CPU cores, 5 minutes): validation loss, mean +- std over 2
+seeds, at 1 / 2 / 4 steps per layer: Lie 0.561 / 0.759 / 0.835, Strang 0.925 / 0.897 /
+0.892, parallel 0.467 / 0.669 / 0.787 (std 0.08-0.20); training steps/s Lie 167 / 136 /
+86, Strang 86 / 75 / 56, parallel 150 / 136 / 103 (two trainings at a time on the two
+cores). Refinement costs time and, on this task and budget, makes the trained model
+worse for Lie and parallel splitting; Strang changes little with refinement and is the
+worst at one step per layer.
 """
 
 from ocformer.sweeping import Sweep, axis, zipped

@@ -274,7 +274,7 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
         written.append(path)
 
     def ylabel(m: str) -> str:
-        return m + (" (mean +- std over seeds)" if info["num_seeds"] > 1 else "")
+        return m + (f" (mean ± std, {info['num_seeds']} seeds)" if info["num_seeds"] > 1 else "")
 
     for x in numeric_axes or varying:
         xs_all = [g[x] for g in groups]
@@ -309,6 +309,7 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
                     yerr=[g[m][1] for g in members],
                     marker="o",
                     capsize=3,
+                    linestyle="-" if numeric else "none",  # no line between categories
                     label=name or None,
                 )
             if numeric:
@@ -318,7 +319,8 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
                     ax.set_xticks(sorted(set(xs_all)))
             else:
                 ax.set_xticks(range(len(categories)))
-                ax.set_xticklabels([json.loads(c) for c in categories], rotation=20)
+                ax.set_xticklabels([json.loads(c) for c in categories], rotation=15, fontsize=8)
+                ax.set_xlim(-0.5, len(categories) - 0.5)
             ys_all = [g[m][0] for g in groups if g[m] is not None]
             if m in _LOWER_IS_BETTER_LOG and min(ys_all) > 0 and max(ys_all) / min(ys_all) >= 10:
                 ax.set_yscale("log")
