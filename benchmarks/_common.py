@@ -90,9 +90,24 @@ def time_interleaved(
 def aot_compile(jitted, *args, **kwargs):
     """``(compiled, seconds)``: trace, lower and compile ahead of time, so that the
     compile time is its own number."""
+    compiled, phases = aot_compile_phases(jitted, *args, **kwargs)
+    return compiled, phases["total_s"]
+
+
+def aot_compile_phases(jitted, *args, **kwargs):
+    """``(compiled, phases)``: as ``aot_compile``, with the seconds spent in Python
+    (tracing and lowering to StableHLO, ``trace_lower_s``) and in XLA
+    (``xla_compile_s``) apart."""
     start = time.perf_counter()
-    compiled = jitted.lower(*args, **kwargs).compile()
-    return compiled, time.perf_counter() - start
+    lowered = jitted.lower(*args, **kwargs)
+    lowered_at = time.perf_counter()
+    compiled = lowered.compile()
+    end = time.perf_counter()
+    return compiled, {
+        "trace_lower_s": lowered_at - start,
+        "xla_compile_s": end - lowered_at,
+        "total_s": end - start,
+    }
 
 
 def jax_compiled(compiled) -> jax.stages.Compiled:

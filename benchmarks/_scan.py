@@ -29,7 +29,7 @@ import numpy as np
 
 from ocformer.convert import from_layers
 
-from ._common import Candidate, aot_compile, time_interleaved
+from ._common import Candidate, aot_compile_phases, time_interleaved
 
 LN_EPS = 1e-5
 DTYPE = np.float32
@@ -241,9 +241,10 @@ def run_config(
         "ocformer_fwd": (eqx.filter_jit(lambda m, x: m(x)), (model, x)),
         "scan_fwd": (jax.jit(scan), (params, x)),
     }
-    compiled, compile_s = {}, {}
+    compiled, phases = {}, {}
     for name, (fn, args) in functions.items():
-        compiled[name], compile_s[name] = aot_compile(fn, *args)
+        compiled[name], phases[name] = aot_compile_phases(fn, *args)
+    compile_s = {name: p["total_s"] for name, p in phases.items()}
     candidates = [
         Candidate(name, _call(compiled[name], *args), compile_s[name])
         for name, (_, args) in functions.items()
@@ -271,6 +272,7 @@ def run_config(
         "median_s": med,
         "timing": timing,
         "compile_s": compile_s,
+        "compile_phases_s": phases,
         "repeats": timing["ocformer_fwd_bwd"]["repeats"],
         "ratio_vs_scan": oc / sc,
         "ratio_vs_scan_remat": oc / rm,

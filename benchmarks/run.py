@@ -252,8 +252,15 @@ def format_summary(r: dict) -> str:
         f"ratio_vs_scan {_fmt(r['ratio_vs_scan'])}, ratio_vs_scan_remat "
         f"{_fmt(r['ratio_vs_scan_remat'])}, forward_ratio_vs_scan "
         f"{_fmt(r['forward_ratio_vs_scan'])} ({r['scan']['headline']})",
-        f"compile_ratio_vs_scan {_fmt(r['compile_ratio_vs_scan'])}; "
-        f"compile_growth_4_to_64 {_fmt(r['compile_growth_4_to_64'])} "
+        f"compile_ratio_vs_scan {_fmt(r['compile_ratio_vs_scan'])} "
+        + "(trace+lower {:.2f} / {:.2f} s, XLA {:.2f} / {:.2f} s); ".format(
+            *(
+                r["scan"]["results"][0]["compile_phases_s"][name][phase]
+                for phase in ("trace_lower_s", "xla_compile_s")
+                for name in ("ocformer_fwd_bwd", "scan_fwd_bwd")
+            )
+        )
+        + f"compile_growth_4_to_64 {_fmt(r['compile_growth_4_to_64'])} "
         f"(layers {r['memory']['compile_growth']['from_layers']} -> "
         f"{r['memory']['compile_growth']['to_layers']})",
         "memory_vs_depth, temp bytes: log-log slopes against layers and steps; "

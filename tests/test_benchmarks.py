@@ -102,6 +102,12 @@ def test_tiny_run_writes_every_key(tmp_path):
         "ocformer_fwd_bwd", "scan_fwd_bwd", "scan_remat_fwd_bwd", "ocformer_fwd", "scan_fwd",
     }  # fmt: skip
     assert set(scan["compile_s"]) == set(scan["median_s"])
+    for name, phases in scan["compile_phases_s"].items():
+        assert phases["trace_lower_s"] > 0 and phases["xla_compile_s"] > 0
+        assert phases["total_s"] == scan["compile_s"][name]
+    # Memory per step of the default method: one stored state per step or more.
+    per_step = r["memory_vs_depth"]["discretise_then_optimise_full_storage"]
+    assert per_step["steps_temp_bytes_per_step"] > 0
     for key in ("ratio_vs_scan", "ratio_vs_scan_remat", "forward_ratio_vs_scan"):
         assert r[key] == scan[key]
     assert scan["max_rel_diff_output"] < 1e-5 and scan["max_rel_diff_grad"] < 1e-4
