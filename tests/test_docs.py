@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from ocformer.config import reference_table
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -35,3 +37,10 @@ def test_python_block_runs(code, tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-3000:]}"
+
+
+def test_configuration_reference_is_the_schema():
+    """docs/training.md's field table is exactly what the schema says (regenerate it with
+    ``ocformer.config.reference_table()`` after changing a field)."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    assert reference_table() in text

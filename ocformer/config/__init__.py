@@ -6,6 +6,7 @@ from ._load import (
     parse_override as parse_override,
     resolve as resolve,
 )
+from ._reference import reference_table as reference_table
 from ._schema import (
     SECTIONS as SECTIONS,
     Config as Config,

@@ -81,7 +81,7 @@ class DiscretisationConfig:
         "euler", "explicit sub-solver of a splitting scheme's smooth terms (order 1 or 2)"
     )
     steps_per_layer: int = _field(1, "steps per layer m (dt = 1/m); 1 is the Transformer", ge=1)
-    stepsize: str = _field("constant", "step-size controller (constant | pid)")
+    stepsize: str = _field("constant", "step-size controller: constant steps or PID")
     rtol: float = _field(1e-3, "relative tolerance of the PID controller and Newton", gt=0.0)
     atol: float = _field(1e-6, "absolute tolerance of the PID controller and Newton", gt=0.0)
     jump_ts: bool = _field(
