@@ -36,6 +36,14 @@ def _parser() -> argparse.ArgumentParser:
         help="run only the points with this axis value (repeatable; field or axis name)",
     )
     p.add_argument("--dry-run", action="store_true", help="show the points (and job script)")
+    p.add_argument(
+        "--runtime-checks",
+        action="store_true",
+        help="keep equinox's runtime error checks in the compiled steps: a solver failure "
+        "then names the step, but those steps are host callbacks that JAX's persistent "
+        "cache never stores, so every point compiles them again (default: checks return "
+        "NaN, EQX_ON_ERROR=nan, and points that share shapes compile once)",
+    )
     g = p.add_argument_group("SLURM (--launcher slurm; defaults from the sweep file)")
     g.add_argument("--partition", default=None)
     g.add_argument("--time-min", type=int, default=None, help="minutes per array task")
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             dry_run=args.dry_run,
             slurm=slurm,
             argv=[sys.executable, "-m", "ocformer.sweep", *args_list],
+            runtime_checks=args.runtime_checks,
         )
     except SweepError as e:
         return _fail(2, str(e))

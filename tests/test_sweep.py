@@ -445,6 +445,21 @@ def test_smoke_sweep_runs_skips_and_grows(tmp_path, compile_cache, capsys):
     assert os.listdir(compile_cache)  # the points' compilations were cached
     assert (out / "plots" / "final_val_loss_vs_model_num_layers.png").is_file()
 
+    # A second sweep over a shape already compiled compiles nothing: every program,
+    # the training and evaluation steps included, comes from the persistent cache
+    # (equinox's checks return NaN instead of calling back to the host, by default).
+    again = tmp_path / "again"
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(again), "--only", "layers=1"]) == 0
+    assert json.loads((again / "sweep.json").read_text())["runtime_checks"] is False
+    (row,) = [r for r in read_csv(again / "results.csv") if r["evaluation"] == "trained"]
+    logs = [
+        (again / "points" / row["point"] / f).read_text() for f in ("train.log", "evaluate.log")
+    ]
+    assert int(row["cache_hits"]) > 0
+    assert not any("Finished XLA compilation" in log for log in logs), [
+        line for log in logs for line in log.splitlines() if "Finished XLA compilation" in line
+    ]
+
     capsys.readouterr()
     assert sweep_main([SMOKE_SWEEP, "--workdir", str(out)]) == 0
     assert "all 2 points finished; nothing to run" in capsys.readouterr().err

@@ -138,7 +138,7 @@ def backward_grid_controller(
     return BackwardGrid(times=tuple(float(t) for t in times), on_jump=tuple(bool(j) for j in jumps))
 
 
-ADAPTIVE_STEPS_PER_LAYER: int = 256
+ADAPTIVE_STEPS_PER_LAYER: int = 512
 """The bound on accepted plus rejected adaptive steps per layer (``max_steps`` =
 this * layers * steps_per_layer): generous for non-stiff fields (tsit5 at rtol 1e-8
 takes tens per layer), and a clear failure rather than a hang for a stiff field given

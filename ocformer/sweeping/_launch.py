@@ -157,6 +157,7 @@ def run_sweep(
     wait: bool = False,
     argv: Sequence[str] = (),
     stream=None,
+    runtime_checks: bool = False,
 ) -> int:
     """Run a sweep; returns the exit code (0 all done, 1 some failed).
 
@@ -172,6 +173,11 @@ def run_sweep(
         wait: with SLURM, wait for the array to finish and report (default: return
             once submitted; ``python -m ocformer.sweep report DIR`` reports later).
         argv: the command line, recorded in ``sweep.json``.
+        runtime_checks: keep equinox's runtime error checks in the compiled steps.
+            They are host callbacks, which JAX's persistent cache never stores, so by
+            default the points run with ``EQX_ON_ERROR=nan``: every compiled step is
+            cached and points that share shapes compile once, and a solver failure
+            shows as a non-finite loss (exit code 4) instead of naming the step.
 
     Raises:
         SweepError: an invalid sweep, point, field or work directory (nothing ran).
@@ -183,6 +189,7 @@ def run_sweep(
         require_slurm()  # before the points are built
     workdir = os.path.abspath(workdir)
     sweep, info, todo = plan(spec, workdir=workdir, seeds=seeds, only=only, argv=argv)
+    info["runtime_checks"] = bool(runtime_checks)
     pending = [p for p in todo if not is_finished(workdir, p)]
     if dry_run:
         print(

@@ -57,12 +57,15 @@ def run_dir(sweep_dir: str, name: str) -> str:
     return os.path.join(point_dir(sweep_dir, name), "run")
 
 
-def read_status(path: str) -> dict:
-    file = os.path.join(path, STATUS_FILE)
+def _json_or_empty(file: str) -> dict:
     if not os.path.isfile(file):
         return {}
     with open(file, encoding="utf-8") as f:
         return json.load(f)
+
+
+def read_status(path: str) -> dict:
+    return _json_or_empty(os.path.join(path, STATUS_FILE))
 
 
 def _write_status(path: str, status: dict) -> None:
@@ -85,8 +88,14 @@ def is_finished(sweep_dir: str, point: dict) -> bool:
 def child_env(sweep_dir: str) -> dict:
     """The environment of a point's processes: JAX's persistent compilation cache under
     the sweep directory (unless the user chose one), every compilation cached, and
-    compilations logged so their time can be read back."""
+    compilations logged so their time can be read back. Unless the sweep keeps
+    runtime checks (``sweep.json``'s ``runtime_checks``), equinox's checks return NaN
+    instead of calling back to the host, so that the training and evaluation steps
+    can be cached too."""
     env = dict(os.environ)
+    info = _json_or_empty(os.path.join(sweep_dir, "sweep.json"))
+    if not info.get("runtime_checks", True):
+        env.setdefault("EQX_ON_ERROR", "nan")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(sweep_dir, "cache", "jax"))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
