@@ -1,6 +1,7 @@
 """Attention as a non-local integral operator over tokens."""
 
 import math
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -120,7 +121,7 @@ class Attention(eqx.Module):
         )
         return z.reshape(*batch, n, d)
 
-    def _implementation(self, u, mask) -> str | None:
+    def _implementation(self, u, mask) -> Literal["cudnn"] | None:
         dh = u.shape[-1] // self.num_heads
         fused = (
             self.kernel == "cudnn"
