@@ -140,9 +140,10 @@ def backward_grid_controller(
 
 ADAPTIVE_STEPS_PER_LAYER: int = 512
 """The bound on accepted plus rejected adaptive steps per layer (``max_steps`` =
-this * layers * steps_per_layer): generous for non-stiff fields (tsit5 at rtol 1e-8
-takes tens per layer), and a clear failure rather than a hang for a stiff field given
-to an explicit solver."""
+this * layers * steps_per_layer): twice what the README's example needs (tsit5 at
+rtol 1e-8 on a 4-layer pre-LN model: 1044 steps, 613 of them rejected, about 260 per
+layer), and a clear failure rather than a hang for a stiff field given to an explicit
+solver."""
 
 
 def adaptive_max_steps(control: AbstractControl, steps_per_layer: int = 1) -> int:
