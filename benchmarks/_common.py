@@ -174,15 +174,18 @@ def versions() -> dict:
     return out
 
 
+def xla_matmul(a, b) -> Callable[[], None]:
+    """A call of ``a @ b`` compiled ahead of time by XLA, waiting for its result."""
+    matmul = jax.jit(jnp.matmul).lower(a, b).compile()
+    return lambda: jax.block_until_ready(matmul(a, b))
+
+
 def matmul_peak(size: int, budget_s: float, dtype=jnp.float32) -> dict:
     """This machine's measured matmul throughput: the median FLOP/s of ``size``-square
     products (``2 size^3`` FLOPs each) in ``dtype``, on the default JAX device."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
     b = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), dtype)
-    matmul = jax.jit(jnp.matmul).lower(a, b).compile()
-    stats = time_interleaved(
-        [Candidate("matmul", lambda: jax.block_until_ready(matmul(a, b)))], budget_s, 5, 200
-    )["matmul"]
+    stats = time_interleaved([Candidate("matmul", xla_matmul(a, b))], budget_s, 5, 200)["matmul"]
     flops = 2.0 * size**3
     return {
         "size": size,

@@ -29,6 +29,7 @@ from ._common import (
     experiment_task,
     time_interleaved,
     usable_cores,
+    xla_matmul,
 )
 from ._gpt import gpt_shape, model_flops_per_token
 
@@ -59,9 +60,7 @@ def _model_shape_matmuls(shape, batch: int, budget_s: float) -> dict:
     rng = np.random.default_rng(0)
     a_np = rng.standard_normal((rows, inner), np.float32)
     b_np = rng.standard_normal((inner, cols), np.float32)
-    a, b = jnp.asarray(a_np), jnp.asarray(b_np)
-    matmul = jax.jit(jnp.matmul).lower(a, b).compile()
-    candidates = [Candidate("xla", lambda: jax.block_until_ready(matmul(a, b)))]
+    candidates = [Candidate("xla", xla_matmul(jnp.asarray(a_np), jnp.asarray(b_np)))]
     torch = _torch_gpt.torch
     if torch is not None:
         ta, tb = torch.from_numpy(a_np), torch.from_numpy(b_np)
