@@ -375,6 +375,39 @@ def test_report_aggregates_over_seeds(tmp_path):
     assert "nfe_vs_model_num_layers.png" not in plots
 
 
+def test_report_reads_a_metrics_file_cut_by_a_kill(tmp_path):
+    """A point killed while writing leaves a partial last line in metrics.jsonl; the
+    report reads the whole records before it, as a resumed run does."""
+    sweep_dir = str(tmp_path)
+    point = {
+        "name": "L=1-h",
+        "evaluations": [],
+        "settings": {"model.num_layers": 1},
+        "config": {},
+    }
+    info = {
+        "name": "killed",
+        "command": "c",
+        "train_fields": ["model.num_layers"],
+        "eval_fields": [],
+        "seed_field": "train.seed",
+        "num_seeds": 1,
+        "points": [point],
+    }
+    with open(os.path.join(sweep_dir, "sweep.json"), "w") as f:
+        json.dump(info, f)
+    _fake_point(sweep_dir, point, [2.0, 1.5], [0.1, 0.2], status="failed")
+    metrics = os.path.join(sweep_dir, "points", point["name"], "run", "metrics.jsonl")
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "steps_per_s": 30.0, "val_lo')
+    out = report(sweep_dir, make_plots=False)
+    [row] = read_csv(tmp_path / "results.csv")
+    assert row["status"] == "failed" and row["step"] == "2"
+    assert float(row["final_val_loss"]) == 1.5 and float(row["best_val_loss"]) == 1.5
+    assert float(row["final_val_accuracy"]) == 0.2
+    assert out["rows"][0]["train_steps_per_s"] == 20.0
+
+
 def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path):
     """A categorical axis (the solver) becomes the lines, the numeric one (steps) the x
     axis; the loss-against-NFE picture joins each solver's points in order of cost."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..checkpointing import atomic_write_text
+from ..training import MetricsLog
 from ._run import TRAINED, evaluation_file, point_dir, read_status, run_dir
 
 METRICS: tuple[str, ...] = (
@@ -47,14 +48,6 @@ _EVAL_PLOTS = ("final_val_loss", "final_val_accuracy", "solver_steps", "rejected
 _LOWER_IS_BETTER_LOG = ("final_val_loss", "best_val_loss", "nfe", "solver_steps")
 
 
-def _read_metrics(path: str) -> list[dict]:
-    file = os.path.join(path, "metrics.jsonl")
-    if not os.path.isfile(file):
-        return []
-    with open(file, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _number(x) -> float | None:
     if x is None:
         return None
@@ -66,7 +59,9 @@ def _number(x) -> float | None:
 
 
 def _training_metrics(path: str) -> dict:
-    records = _read_metrics(path)
+    # The run directory's own reader: a point killed mid-write leaves a partial last
+    # line, which it skips.
+    records = MetricsLog(os.path.join(path, "metrics.jsonl")).read()
     out: dict = {}
     evals = [r for r in records if "val_loss" in r]
     losses = [v for v in (_number(r["val_loss"]) for r in evals) if v is not None]
