@@ -408,17 +408,47 @@ def test_report_reads_a_metrics_file_cut_by_a_kill(tmp_path):
     assert out["rows"][0]["train_steps_per_s"] == 20.0
 
 
-def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path):
+def _record_plots(monkeypatch) -> dict:
+    """What ``plot`` draws, read from each figure as it is saved: file name -> the x
+    label, the x tick labels and, for each line, its label, x, y and line style."""
+    import matplotlib.figure
+
+    drawn: dict = {}
+    savefig = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kwargs):
+        [ax] = fig.axes
+        drawn[os.path.basename(path)] = {
+            "xlabel": ax.get_xlabel(),
+            "xticklabels": [t.get_text() for t in ax.get_xticklabels()],
+            # plot() draws each line with errorbar: the container holds the data line.
+            "lines": {
+                c.get_label(): (
+                    [float(x) for x in c.lines[0].get_xdata()],
+                    [float(y) for y in c.lines[0].get_ydata()],
+                    c.lines[0].get_linestyle(),
+                )
+                for c in ax.containers
+            },
+        }
+        savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    return drawn
+
+
+def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path, monkeypatch):
     """A categorical axis (the solver) becomes the lines, the numeric one (steps) the x
     axis; the loss-against-NFE picture joins each solver's points in order of cost."""
+    stages = {"euler": 1, "heun": 2}
     groups = []
-    for solver, stages in (("euler", 1), ("heun", 2)):
-        for steps in (1, 2, 4):
-            g = dict.fromkeys(METRICS)
-            g.update({"discretisation.stepper": solver, "discretisation.steps_per_layer": steps})
-            g["final_val_loss"] = (1.0 / (steps * stages), 0.0, 1)
-            g["nfe"] = (float(steps * stages), 0.0, 1)
-            groups.append(g)
+    # Shuffled, so that the lines' order comes from plot(), not from the groups.
+    for solver, steps in (("heun", 4), ("euler", 2), ("heun", 1), ("euler", 4), ("euler", 1)):
+        g = dict.fromkeys(METRICS)
+        g.update({"discretisation.stepper": solver, "discretisation.steps_per_layer": steps})
+        g["final_val_loss"] = (1.0 / (steps * stages[solver]), 0.0, 1)
+        g["nfe"] = (float(steps * stages[solver]), 0.0, 1)
+        groups.append(g)
     info = {
         "name": "solvers",
         "train_fields": ["discretisation.stepper", "discretisation.steps_per_layer"],
@@ -426,12 +456,58 @@ def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path):
         "seed_field": "train.seed",
         "num_seeds": 1,
     }
+    drawn = _record_plots(monkeypatch)
     names = {os.path.basename(p) for p in plot(groups, info, str(tmp_path))}
-    assert names == {
-        "final_val_loss_vs_discretisation_steps_per_layer.png",
-        "nfe_vs_discretisation_steps_per_layer.png",
-        "final_val_loss_vs_cost_nfe.png",
+    assert (
+        names
+        == set(drawn)
+        == {
+            "final_val_loss_vs_discretisation_steps_per_layer.png",
+            "nfe_vs_discretisation_steps_per_layer.png",
+            "final_val_loss_vs_cost_nfe.png",
+        }
+    )
+    loss = drawn["final_val_loss_vs_discretisation_steps_per_layer.png"]
+    assert loss["xlabel"] == "discretisation.steps_per_layer"
+    assert loss["lines"] == {
+        "stepper=euler": ([1.0, 2.0, 4.0], [1.0, 0.5, 0.25], "-"),
+        "stepper=heun": ([1.0, 4.0], [0.5, 0.125], "-"),
     }
+    nfe = drawn["nfe_vs_discretisation_steps_per_layer.png"]
+    assert nfe["lines"] == {
+        "stepper=euler": ([1.0, 2.0, 4.0], [1.0, 2.0, 4.0], "-"),
+        "stepper=heun": ([1.0, 4.0], [2.0, 8.0], "-"),
+    }
+    cost = drawn["final_val_loss_vs_cost_nfe.png"]
+    assert cost["xlabel"] == "nfe (one forward solve)"
+    assert cost["lines"] == {
+        "stepper=euler": ([1.0, 2.0, 4.0], [1.0, 0.5, 0.25], "-"),
+        "stepper=heun": ([2.0, 8.0], [0.5, 0.125], "-"),
+    }
+
+
+def test_plots_put_a_categorical_axis_on_x_when_no_axis_is_numeric(tmp_path, monkeypatch):
+    """Without a numeric axis the solvers go on x, one tick each, as points with no line
+    between them."""
+    groups = []
+    for solver, loss in (("heun", 0.25), ("euler", 0.5)):
+        g = dict.fromkeys(METRICS)
+        g.update({"discretisation.stepper": solver, "final_val_loss": (loss, 0.0, 1)})
+        groups.append(g)
+    info = {
+        "name": "solvers",
+        "train_fields": ["discretisation.stepper"],
+        "eval_fields": [],
+        "seed_field": "train.seed",
+        "num_seeds": 1,
+    }
+    drawn = _record_plots(monkeypatch)
+    plot(groups, info, str(tmp_path))
+    [(name, figure)] = drawn.items()
+    assert name == "final_val_loss_vs_discretisation_stepper.png"
+    assert figure["xticklabels"] == ["euler", "heun"]
+    [(xs, ys, style)] = figure["lines"].values()
+    assert (xs, ys, style) == ([0.0, 1.0], [0.5, 0.25], "None")
 
 
 # -- running -------------------------------------------------------------------------
