@@ -695,13 +695,69 @@ def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache):
     assert row["status"] == "done" and row["step"] == "2" and int(row["solver_steps"]) == 1
 
 
-def test_point_job_requeues_itself_with_the_same_point():
-    from ocformer.sweeping import PointJob
+def test_point_job_requeues_itself_with_the_same_point(tmp_path):
+    """On SLURM's timeout or preemption signal submitit calls ``checkpoint``: the
+    point's running process gets SIGTERM, checkpoints and exits, and only then is the
+    task requeued, with the same point."""
+    import threading
+    import time
 
-    job = PointJob("/some/sweep")
-    point = {"name": "p"}
-    delayed = job.checkpoint(point)
-    assert delayed.function is job and delayed.args == (point,)
+    from ocformer.sweeping import PointJob
+    from ocformer.sweeping._run import _children, _children_lock
+
+    # A stand-in for the training process: it records the signal it got (its
+    # checkpoint) and exits cleanly, as ocformer.train does on SIGTERM.
+    checkpointed = tmp_path / "checkpointed"
+    script = textwrap.dedent(
+        f"""
+        import signal, sys, time
+
+        def stop(signum, frame):
+            with open({str(checkpointed)!r}, "w") as f:
+                f.write(signal.Signals(signum).name)
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, stop)
+        print("waiting", flush=True)
+        time.sleep(120)
+        """
+    )
+    log = tmp_path / "point.log"
+    result: dict = {}
+
+    def run() -> None:
+        # The worker thread of a point, as in run_point: it owns the child and reaps it.
+        result.update(_run_logged([sys.executable, "-c", script], str(log), dict(os.environ)))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        # The first log line is the command itself; "waiting" on its own line means the
+        # handler is installed.
+        while time.monotonic() < deadline and (
+            not log.exists() or "waiting" not in log.read_text().splitlines()[1:]
+        ):
+            time.sleep(0.05)
+        with _children_lock:
+            [proc] = _children
+        job = PointJob(str(tmp_path))
+        point = {"name": "p"}
+        started = time.monotonic()
+        delayed = job.checkpoint(point)
+        waited = time.monotonic() - started
+        # Requeued only after the process exited.
+        assert proc.returncode == 0
+        worker.join(timeout=60)
+        assert result["exit_code"] == 0 and checkpointed.read_text() == "SIGTERM"
+        # It waited for the exit, not for the whole grace period.
+        assert waited < 30
+        assert delayed.function is job and delayed.args == (point,) and delayed.kwargs == {}
+    finally:
+        with _children_lock:
+            for p in _children:
+                p.kill()
+        worker.join(timeout=60)
 
 
 def test_progress_line_counts_and_eta():
