@@ -1,6 +1,7 @@
 """Command line: ``python -m ocformer.train --config experiments/<name>.py[:arg] --workdir DIR``.
 
-A thin wrapper over ``ocformer.training.train``; the only module that reads ``argv``.
+A thin wrapper over ``ocformer.training.train``; one of the package's command lines, the
+only modules that read ``argv`` (see ``docs/architecture.md``).
 Re-running the same command resumes from the last committed checkpoint in DIR.
 One process of a run of many joins the others with ``--coordinator HOST:PORT
 --num-processes N --process-id I`` (or from a SLURM step or TPU slice it runs in; see
