@@ -18,6 +18,15 @@ Piecewise-linear controls: 0.584 as trained; Lie 0.777 / 0.931 / 1.018 / 1.064; 
 model (Strang, second order, settles by 4 steps per layer); the trained Transformer sits
 0.85 from its continuous limit with piecewise-constant controls and 0.53 with
 controls linear in t.
+
+The piecewise-linear rows past one step per layer depend on a direction training does
+not see. The splitting schemes read the controls at step midpoints, so at one step per
+layer only the node averages (theta_n + theta_{n+1}) / 2 enter: moving node n of every
+control by (-1)^n changes the logits of the freshly initialised float64 smoke model by
+1.6e-15 under Lie at m = 1 (1.8e-15 under Strang at m = 1) and by 3.7 at m = 2 and 4
+(experiments/README.md has the snippet that measured it, commit 26038f3). The refined
+evaluations and the limit 1.110 depend on that alternating part of the nodes, which the
+loss at one step per layer leaves undetermined.
 """
 
 from ocformer.sweeping import Sweep, axis, zipped
