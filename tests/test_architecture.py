@@ -3,8 +3,10 @@ and a small public face."""
 
 import importlib
 import pathlib
+import re
 import subprocess
 import sys
+import tomllib
 import types
 
 import diffrax
@@ -30,19 +32,45 @@ def test_layers_contract_holds():
     assert "1 kept, 0 broken" in out.stdout
 
 
+def _contract_layers() -> list[set[str]]:
+    """The layers of the import-linter contract, top first, each as its set of modules."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    [contract] = config["tool"]["importlinter"]["contracts"]
+    return [{name.strip() for name in row.split("|")} for row in contract["layers"]]
+
+
+def test_contract_layers_are_required_modules_that_exist():
+    # An optional layer, "(name)", would let the contract pass with the module gone.
+    for layer in _contract_layers():
+        for name in layer:
+            assert re.fullmatch(r"\w+", name), f"layer {name!r} is optional or malformed"
+            package, module = ROOT / "ocformer" / name, ROOT / "ocformer" / f"{name}.py"
+            assert package.is_dir() or module.is_file(), f"no module ocformer.{name}"
+
+
 def test_architecture_doc_lists_the_contract_layers():
-    text = (ROOT / "pyproject.toml").read_text()
-    layers = text.split("layers = [", 1)[1].split("]", 1)[0]
-    names = [
-        n.strip().strip("()")
-        for row in layers.splitlines()
-        for n in row.strip().strip(",").strip('"').split("|")
-        if n.strip()
-    ]
+    """The diagram of docs/architecture.md draws the contract's layers, one row each, in
+    its order: a row's first column is its modules, separated by " | "."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    for name in names:
-        if (ROOT / "ocformer" / name).exists() or (ROOT / "ocformer" / f"{name}.py").exists():
-            assert f" {name}" in doc, f"docs/architecture.md does not draw the layer {name!r}"
+    block = doc.split("\n## Layers\n", 1)[1].split("```\n", 2)[1]
+    drawn = []
+    for line in block.splitlines():
+        row = re.match(r" (\w+(?: \| \w+)*)(?:  |$)", line)
+        assert row, f"docs/architecture.md: not a layer row: {line!r}"
+        drawn.append(set(row.group(1).split(" | ")))
+    assert drawn == _contract_layers()
+
+
+def test_readme_package_table_lists_the_contract_layers():
+    """The package table of README.md: one row per layer, in the contract's order."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("| layer | holds |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    drawn = []
+    for line in table.splitlines():
+        row = re.match(r"\| (`\w+`(?: \\\| `\w+`)*) \| ", line)
+        assert row, f"README.md: not a layer row: {line!r}"
+        drawn.append(set(re.findall(r"`(\w+)`", row.group(1))))
+    assert drawn == _contract_layers()
 
 
 def test_private_diffrax_names_come_from_one_module():
