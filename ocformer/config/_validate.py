@@ -3,7 +3,7 @@
 Every error names the dotted field, the value received and what is allowed. Allowed
 names come from the library's registries (schemes, solvers, sub-solvers, gradient
 methods), and combinations are judged by the library's own rule table
-(``ocformer.models.rules``), the one model construction uses. Validation traces and
+(``ocformer.models.RULES``), the one model construction uses. Validation traces and
 allocates nothing.
 """
 

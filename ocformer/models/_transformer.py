@@ -90,7 +90,7 @@ class ContinuousTransformer(eqx.Module):
       solvers; explicit ones only with steps <= ``EXPLICIT_RELAXATION_LIMIT * eps``.
 
     Incompatible choices raise ``IncompatibleError`` (a ``ValueError``) here, before
-    anything is traced, from the rules of ``ocformer.models.rules``.
+    anything is traced, from the rules of ``ocformer.models.RULES``.
 
     Args:
         control: theta(t).
