@@ -3,7 +3,7 @@
 A gradient method is part of the discretisation: it chooses the diffrax adjoint, and
 everything that adjoint depends on (checkpoint count, backward grid) is derived from
 the grid of the solve it is used in, never stored. Whether a method can differentiate a
-given model is a rule of ``ocformer.models.rules``.
+given model is a rule of ``ocformer.models.RULES``.
 """
 
 import abc

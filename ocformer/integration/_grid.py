@@ -56,6 +56,16 @@ class StepOverJumps(diffrax.AbstractStepSizeController):
     float just above it (with ``made_jump``, so first-same-as-last stages are
     recomputed). The control is then never evaluated at a jump.
 
+    A solve may start at any point of the grid, not only at its first: the step that
+    follows is found from where the solve (or the previous step) stands, never from a
+    count carried in the controller's state. diffrax's ``BacksolveAdjoint`` needs this:
+    with states saved inside the interval (a running cost on the grid's states) it
+    solves backward one saved interval at a time, each a ``diffeqsolve`` from a saved
+    time that is a point of this grid, carrying the controller's state over from the
+    previous interval. A start on a jump first takes a step of one float's width past
+    it (made over the jump, where the control is the other side's), so that the first
+    full step reads the controls of its own piece only.
+
     Args:
         ts: the grid, strictly increasing, from t0 to t1.
         on_jump: which grid points are jumps (never the ends).
@@ -68,31 +78,34 @@ class StepOverJumps(diffrax.AbstractStepSizeController):
         return StepOverJumps(ts=self.ts * direction, on_jump=self.on_jump)
 
     def _end(self, i):
+        """Where a step towards grid point ``i`` ends: just below it if it is a jump."""
+        i = jnp.minimum(i, self.ts.shape[0] - 1)
         t = self.ts[i]
         return jnp.where(self.on_jump[i], jnp.nextafter(t, jnp.asarray(-jnp.inf, t.dtype)), t)
 
+    def _nearest(self, t):
+        """The grid point a time sits on: a step that ends just below a jump, or a
+        start just above one, is on the jump's grid point."""
+        return jnp.argmin(jnp.abs(self.ts - t))
+
     def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
-        del terms, t0, t1, y0, args, func, error_order
+        del terms, t1, y0, args, func, error_order
         if dt0 is not None:
             raise ValueError("dt0 must be None: the grid determines the steps.")
-        return self._end(1), 2
+        i = self._nearest(t0)
+        step_past_jump = jnp.nextafter(t0, jnp.asarray(jnp.inf, t0.dtype))
+        return jnp.where(self.on_jump[i], step_past_jump, self._end(i + 1)), None
 
     def adapt_step_size(
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
     ):
-        del t0, y0, y1_candidate, args, y_error, error_order
-        i = controller_state - 1  # the grid point this step ended at
+        del t0, y0, y1_candidate, args, y_error, error_order, controller_state
+        i = self._nearest(t1)  # the grid point this step ended at (or just past)
         jump = self.on_jump[i]
-        t = self.ts[i]
-        next_t0 = jnp.where(jump, jnp.nextafter(t, jnp.asarray(jnp.inf, t.dtype)), t1)
-        return (
-            True,
-            next_t0,
-            self._end(controller_state),
-            jump,
-            controller_state + 1,
-            RESULTS.successful,
+        next_t0 = jnp.where(
+            jump, jnp.maximum(jnp.nextafter(self.ts[i], jnp.asarray(jnp.inf, t1.dtype)), t1), t1
         )
+        return True, next_t0, self._end(i + 1), jump, None, RESULTS.successful
 
 
 class BackwardGrid(diffrax.AbstractStepSizeController):
@@ -113,10 +126,11 @@ class BackwardGrid(diffrax.AbstractStepSizeController):
     on_jump: tuple[bool, ...] = eqx.field(static=True)
 
     def _controller(self):
-        ts = jnp.asarray(self.times[::-1])
-        if any(self.on_jump):
-            return StepOverJumps(ts=ts, on_jump=jnp.asarray(self.on_jump[::-1]))
-        return diffrax.StepTo(ts=ts)
+        # Not ``StepTo`` even without jumps: a backward solve may start at any point of
+        # the grid (see ``StepOverJumps``), which ``StepTo`` refuses.
+        return StepOverJumps(
+            ts=jnp.asarray(self.times[::-1]), on_jump=jnp.asarray(self.on_jump[::-1])
+        )
 
     def wrap(self, direction):
         return self._controller().wrap(direction)
