@@ -21,6 +21,7 @@ from ocformer.sweeping import (
     SweepError,
     axis,
     load_sweep,
+    plain_log_xaxis,
     plan,
     report,
     resolve_points,
@@ -508,6 +509,25 @@ def test_plots_put_a_categorical_axis_on_x_when_no_axis_is_numeric(tmp_path, mon
     assert figure["xticklabels"] == ["euler", "heun"]
     [(xs, ys, style)] = figure["lines"].values()
     assert (xs, ys, style) == ([0.0, 1.0], [0.5, 0.25], "None")
+
+
+def test_plain_log_xaxis_labels_the_numbers_plotted():
+    """Step counts on a logarithmic axis read as 1, 2, 4, ..., 32, not as powers of ten,
+    and no minor tick is labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [1, 2, 4, 8, 16, 32]
+    fig, ax = plt.subplots()
+    ax.plot(steps, [1.0 / m for m in steps])
+    plain_log_xaxis(ax, ticks=steps)
+    fig.canvas.draw()
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(m) for m in steps]
+    assert not any(t.get_text() for t in ax.get_xticklabels(minor=True))
+    plt.close(fig)
 
 
 # -- running -------------------------------------------------------------------------

@@ -232,6 +232,26 @@ def _numeric(groups: list[dict], key: str) -> bool:
     return all(_is_number(g[key]) for g in groups)
 
 
+def plain_log_xaxis(ax, ticks: Sequence[float] | None = None) -> None:
+    """A logarithmic x axis labelled with plain numbers (1, 2, 5, 10, 20, ...), with no
+    labelled minor ticks: step counts read as step counts, not as powers of ten.
+
+    Args:
+        ax: matplotlib axes.
+        ticks: the major ticks (for example the step counts plotted); default: 1, 2
+            and 5 times each power of ten.
+    """
+    # Imported here, as in plot(): a sweep reported without plots does not load matplotlib.
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if ticks is not None:
+        ax.set_xticks(list(ticks))
+
+
 def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
     """Each metric against each numeric axis (logarithmic where the values span a
     decade or more), one line per value of the other axes; a sweep without numeric
@@ -242,14 +262,6 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
-
-    def log_x(ax) -> None:
-        # Plain numbers (1, 2, 4, ...) on a logarithmic axis, no labelled minor ticks.
-        ax.set_xscale("log")
-        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
 
     keys = _group_keys(info)
     varying = [k for k in keys if len({json.dumps(g[k]) for g in groups}) > 1]
@@ -310,8 +322,7 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
             if numeric:
                 pos = [v for v in xs_all if v > 0]
                 if len(pos) == len(xs_all) and max(pos) / min(pos) >= 10:
-                    log_x(ax)
-                    ax.set_xticks(sorted(set(xs_all)))
+                    plain_log_xaxis(ax, ticks=sorted(set(xs_all)))
             else:
                 ax.set_xticks(range(len(categories)))
                 ax.set_xticklabels([json.loads(c) for c in categories], rotation=15, fontsize=8)
@@ -347,7 +358,7 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
             )
         costs = [g[cost][0] for g in costed]
         if min(costs) > 0 and max(costs) / min(costs) >= 10:
-            log_x(ax)
+            plain_log_xaxis(ax)
         ax.set_xlabel(f"{cost} (one forward solve)")
         ax.set_ylabel(ylabel("final_val_loss"))
         save(fig, ax, f"final_val_loss vs {cost}", f"final_val_loss_vs_cost_{cost}.png")
