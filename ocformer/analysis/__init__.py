@@ -32,8 +32,11 @@ from ._steps import (
 from ._tokens import (
     Lyapunov as Lyapunov,
     TokenSimilarity as TokenSimilarity,
+    benettin_exponents as benettin_exponents,
     lyapunov_exponents as lyapunov_exponents,
     lyapunov_refinement as lyapunov_refinement,
+    model_benettin as model_benettin,
     model_lyapunov as model_lyapunov,
+    randomised_lyapunov_exponents as randomised_lyapunov_exponents,
     token_similarity as token_similarity,
 )
