@@ -17,3 +17,17 @@ def rng():
     import numpy as np
 
     return np.random.default_rng(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest tests first, so that the two workers finish together: the notebook runs
+    (the longest, minutes each), then the other tests marked slow, then the rest, each
+    group in collection order. xdist hands tests out in this order."""
+    del config
+
+    def rank(item):
+        if item.get_closest_marker("slow") is None:
+            return 2
+        return 0 if item.path.name == "test_notebooks.py" else 1
+
+    items.sort(key=rank)
