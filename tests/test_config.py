@@ -120,6 +120,11 @@ BAD_CONFIGS = [
         "where they jump",
     ),
     (["discretisation.stepsize=pid"], "discretisation.stepsize", "error estimate"),
+    (
+        ["discretisation.stepper=kvaerno4"],
+        "discretisation.steps_per_layer",
+        "steps_per_layer >= 4",
+    ),
     (["discretisation.stepsize=adaptive"], "discretisation.stepsize", "'pid'"),
     (
         ["discretisation.gradient=optimise_then_discretise"],

@@ -17,6 +17,7 @@ from ._pretrained import (
 )
 from ._rules import (
     EXPLICIT_RELAXATION_LIMIT as EXPLICIT_RELAXATION_LIMIT,
+    IMPLICIT_MIN_STEPS_PER_LAYER as IMPLICIT_MIN_STEPS_PER_LAYER,
     RULES as RULES,
     Choices as Choices,
     IncompatibleError as IncompatibleError,

@@ -24,6 +24,34 @@ with constant steps (the real stability interval of explicit Euler, [-2, 0], for
 normal rate -1/eps; higher-order explicit Runge-Kutta methods have intervals of about
 2 to 3.5, so this is the bound that holds for all of them)."""
 
+IMPLICIT_MIN_STEPS_PER_LAYER: int = 4
+r"""A fully implicit solver (implicit_euler, kvaerno3/4/5) with constant steps needs at
+least this many steps per layer.
+
+Each stage solves $z = y + \gamma\,\delta t\, f(z)$, a contraction only while
+$\gamma\,\delta t\,\mathrm{Lip}(f) < 1$. The attention and feed-forward fields have
+Lipschitz constants of order one per layer, so at $\delta t = 1$ the stage equation can
+be singular: on the third layer of the projected study model
+(``ocformer.analysis.study_model``) the smallest singular value of
+$I - \delta t\,\partial f/\partial u$ is 0.017 for implicit Euler, and full Newton from
+$y$ wanders for 40 iterations with residuals between 3 and 900. Tighter root-finder
+tolerances or more Newton iterations do not help a stage equation without a nearby
+root.
+
+Measured on the study models: at one step per layer implicit_euler, kvaerno4 and
+kvaerno5 stop with "maximum number of steps was reached in the nonlinear solver" on the
+pre-LN and relaxed (eps = 1e-2) formulations, and implicit_euler and kvaerno4 on the
+projected one (at rtol 1e-6 and 1e-10 alike); at two steps, implicit_euler on the
+projected and relaxed formulations and kvaerno4 on the relaxed one. The solves that do
+finish there are outside the asymptotic range (pre-LN, error at 1, 2, 4 steps per
+layer: kvaerno3 4.2, 0.38, 0.025; kvaerno4 failed, 1.1, 0.017). From four steps all of
+them converge, at their orders on pre-LN and projected.
+
+Adaptive steps are not limited: a failed stage solve is a rejected step there, and the
+controller shrinks it (projected study model, kvaerno4 and kvaerno5 from one step per
+layer at rtol 1e-6: errors 9e-8 and 8e-7). IMEX solvers (kencarp3/4/5) solve only for
+the relaxation, which is dissipative, and are not limited either."""
+
 PROJECTED_SPLITTINGS: tuple[str, ...] = ("lie", "strang")
 
 
@@ -223,6 +251,28 @@ def _explicit_relaxation_stability(c: Choices) -> Refusal | None:
     return None
 
 
+def _implicit_needs_small_steps(c: Choices) -> Refusal | None:
+    if (
+        c.stepper_kind == "implicit"
+        and c.stepsize == "constant"
+        and c.steps_per_layer < IMPLICIT_MIN_STEPS_PER_LAYER
+    ):
+        dt = 1.0 / c.steps_per_layer
+        return Refusal(
+            "discretisation.steps_per_layer",
+            f"steps_per_layer={c.steps_per_layer} with the implicit solver {c.stepper}: "
+            f"each stage solves z = y + gamma * dt * f(z) with dt = {dt:g}, which the "
+            "attention and feed-forward fields (Lipschitz constants of order one per "
+            "layer) can make singular, and the nonlinear solver then stops at its "
+            "maximum number of steps or finds a spurious root. Use steps_per_layer >= "
+            f"{IMPLICIT_MIN_STEPS_PER_LAYER}, stepsize=pid with kvaerno3/4/5 (a failed "
+            "stage solve is then a rejected step), an explicit solver (tsit5, heun) on "
+            "the pre-LN and projected formulations, or an IMEX solver (kencarp3/4/5) on "
+            "the relaxed one",
+        )
+    return None
+
+
 def _otd_needs_smooth_single_term(c: Choices) -> Refusal | None:
     if c.gradient != "optimise_then_discretise" or c.stepper_kind != "splitting":
         return None
@@ -284,6 +334,7 @@ RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
     _adaptive_needs_error_estimate,
     _adaptive_needs_jumps,
     _explicit_relaxation_stability,
+    _implicit_needs_small_steps,
     _otd_needs_smooth_single_term,
     _otd_projected_needs_continuous_controls,
 )
