@@ -9,7 +9,7 @@ import pytest
 
 from ocformer.controls import PiecewiseConstant, init_stacked_params
 from ocformer.integration import Discretisation
-from ocformer.models import ContinuousTransformer
+from ocformer.models import ContinuousTransformer, rediscretise
 from ocformer.splitting import SCHEMES, Hybrid, Lie, Parallel, Strang
 
 L, D, DFF, H, N = 2, 8, 12, 2, 5
@@ -197,6 +197,33 @@ def test_scheme_registry_and_orders():
     # refinement is refused (tests/test_formulations.py).
     assert _post(Strang()).order() == 0
     assert _post(Lie()).order() == 0
+
+
+@pytest.mark.parametrize(
+    "sequence,order",
+    [
+        (None, 2),
+        ((0, 1, 2), 2),
+        ((0, 2, 1), 2),
+        ((1, 0, 2), 1),
+        ((2, 0, 1), 1),
+        ((1, 2, 0), 1),
+        ((2, 1, 0), 1),
+    ],
+)
+def test_strang_on_projected_is_second_order_only_with_the_projection_first(sequence, order):
+    # Projected terms: (projection onto S1, tangent attention, tangent feed-forward).
+    # tests/test_convergence.py measures these orders.
+    model = ContinuousTransformer(
+        _control("scalar"),
+        norm="post",
+        num_heads=H,
+        formulation="projected",
+        discretisation=Discretisation(Strang(sub_solver="midpoint", sequence=sequence)),
+    )
+    assert model.order() == order
+    # Euler sub-steps cap every sequence at 1.
+    assert rediscretise(model, stepper=Strang(sequence=sequence)).order() == 1
 
 
 def test_closing_projection_takes_eps_over_4_only_after_the_average(u0):

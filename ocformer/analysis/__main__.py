@@ -8,6 +8,7 @@ Example:
 import argparse
 import json
 import os
+import re
 import sys
 
 from ..checkpointing import atomic_write_text
@@ -15,6 +16,12 @@ from ..checkpointing import atomic_write_text
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    """Comma-separated names; commas inside parentheses belong to the name, as in
+    ``strang(1,0,2)``."""
+    return [m.strip() for m in re.findall(r"(?:[^,(]|\([^)]*\))+", text) if m.strip()]
 
 
 def _floats(text: str) -> list[float]:
@@ -43,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         "convergence",
         help="errors against a fine reference and fitted orders, in float64",
     )
-    conv.add_argument("--schemes", default="lie,strang", help="comma-separated names")
+    conv.add_argument(
+        "--schemes",
+        default="lie,strang",
+        help="comma-separated names; strang(1,0,2) is Strang with that sequence",
+    )
     conv.add_argument("--steps", default="4,8,16,32,64", help="steps per layer")
     conv.add_argument("--formulation", default="pre", choices=("pre", "projected", "relaxed"))
     conv.add_argument("--seed", type=int, default=0)
@@ -65,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = convergence_study(
-            [s for s in args.schemes.split(",") if s],
+            _names(args.schemes),
             _ints(args.steps),
             formulation=args.formulation,
             seed=args.seed,

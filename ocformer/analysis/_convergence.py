@@ -7,6 +7,7 @@ Transformer with smooth (``Basis``) controls, so that the continuous limit is a 
 non-autonomous ODE and the asymptotic regime is reached at a few steps per layer.
 """
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..controls._make import make_control
 from ..integration import Discretisation
 from ..models import ContinuousTransformer, IncompatibleError, reformulate
 from ..operators import Activation
-from ..splitting import SCHEMES, SOLVERS
+from ..splitting import SCHEMES, SOLVERS, Strang
 
 STUDY_FORMULATIONS: tuple[str, ...] = ("pre", "projected", "relaxed")
 REFERENCE_SOLVER = "tsit5"
@@ -116,7 +117,12 @@ def study_stepper(name: str):
 
     Splitting schemes whose splitting is of order >= 2 get second-order (explicit
     midpoint) sub-flows, since Euler sub-steps would cap them at order 1.
+    ``"strang(1,0,2)"`` is Strang with that ``sequence`` (midpoint sub-flows too).
     """
+    match = re.fullmatch(r"strang\(([\d,\s]*)\)", name)
+    if match:
+        sequence = tuple(int(i) for i in match.group(1).split(",") if i.strip())
+        return Strang(sub_solver="midpoint", sequence=sequence)
     if name in SCHEMES:
         scheme = SCHEMES[name]()
         if scheme.splitting_order(2) >= 2:
@@ -125,8 +131,8 @@ def study_stepper(name: str):
     if name in SOLVERS:
         return SOLVERS[name]()
     raise ValueError(
-        f"Unknown scheme {name!r}; splitting schemes: {', '.join(SCHEMES)}; diffrax "
-        f"solvers: {', '.join(SOLVERS)}."
+        f"Unknown scheme {name!r}; splitting schemes: {', '.join(SCHEMES)} (Strang with "
+        f"a sequence as e.g. strang(1,0,2)); diffrax solvers: {', '.join(SOLVERS)}."
     )
 
 
@@ -264,8 +270,8 @@ def convergence_study(
         )
         if sub_solver != "euler":
             entry["note"] = (
-                f"{name} is a second-order splitting: its explicit sub-flows use the "
-                f"{sub_solver} rule (Euler sub-steps would make it first order)."
+                f"{name}: its explicit sub-flows use the {sub_solver} rule, since Euler "
+                "sub-steps would make a second-order splitting first order."
             )
         results[name] = entry
     out["schemes"] = results
@@ -301,6 +307,9 @@ def format_table(result: dict) -> str:
     steps = cells[ok[0]]["steps_per_layer"] if ok else []
     for i, m in enumerate(steps):
         lines.append(f"{m:>12d}" + "".join(cell(n, "errors", ".3e", i) for n in names))
+    for i, (a, b) in enumerate(zip(steps, steps[1:])):
+        label = f"local {a}-{b}"
+        lines.append(f"{label:>12}" + "".join(cell(n, "local_slopes", ".3f", i) for n in names))
     lines.append(f"{'slope':>12}" + "".join(cell(n, "slope", ".3f") for n in names))
     lines.append(f"{'order()':>12}" + "".join(cell(n, "expected_order", "") for n in names))
     for n in names:

@@ -39,7 +39,9 @@ class AbstractSplitTerm(diffrax.AbstractTerm):
 
     @abc.abstractmethod
     def flow_order(self, sub_solver: SubSolver) -> int | None:
-        """The order of the sub-flow (None: exact, e.g. a projection)."""
+        """The order of the sub-flow; None for a projection, which is exact but is the
+        same map for every step size (the resolvent of an indicator), not the flow of a
+        vector field over the step."""
 
     # Terms are ODE-like: the control of the equation is time itself.
     def contr(self, t0, t1, **kwargs):

@@ -32,9 +32,11 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
     use exactly layer n's parameters.
 
     The order of a scheme is the smaller of the splitting's order and its sub-flows'.
-    The explicit sub-solver of the smooth terms (``sub_solver``: explicit Euler,
-    midpoint or Heun) is part of the scheme: a numerical choice, not part of the
-    equation.
+    A projection term (its sub-flow is the same map for every step size) is not the
+    flow of a vector field, and where it sits in the composition can lower the
+    splitting's order (``Strang``). The explicit sub-solver of the smooth terms
+    (``sub_solver``: explicit Euler, midpoint or Heun) is part of the scheme: a
+    numerical choice, not part of the equation.
     """
 
     interpolation_cls: ClassVar = LocalLinearInterpolation
@@ -57,8 +59,9 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
         return dataclasses.replace(self, num_terms=len(split))
 
     @abc.abstractmethod
-    def splitting_order(self, num_terms: int) -> int:
-        """The order of the splitting with exact sub-flows."""
+    def splitting_order(self, num_terms: int, projections: tuple[int, ...] = ()) -> int:
+        """The order of the splitting with exact sub-flows, for ``num_terms`` terms of
+        which those at the indices ``projections`` are projections."""
 
     @abc.abstractmethod
     def feeds(self, source: int, target: int, terms) -> bool:
@@ -86,7 +89,8 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
     def order(self, terms) -> int:
         flows = [t.flow_order(self.sub_solver) for t in _split_terms(terms)]
         finite = [o for o in flows if o is not None]
-        return min([self.splitting_order(len(flows)), *finite])
+        projections = tuple(i for i, o in enumerate(flows) if o is None)
+        return min([self.splitting_order(len(flows), projections), *finite])
 
     def init(self, terms, t0, t1, y0, args):
         return None
@@ -155,7 +159,7 @@ class Lie(AbstractSplittingSolver):
     def __check_init__(self):
         check_sub_solver("Lie", self.sub_solver)
 
-    def splitting_order(self, num_terms: int) -> int:
+    def splitting_order(self, num_terms, projections=()):
         return 1
 
     def feeds(self, source, target, terms):

@@ -29,6 +29,23 @@ class Strang(AbstractSplittingSolver):
     the smaller of 2 and the sub-flows' orders: with explicit Euler sub-steps it is
     first order; ``Strang(sub_solver="midpoint")`` or ``"heun"`` is second order.
 
+    A projection term keeps the second order only as the first term of ``sequence``;
+    anywhere else ``order`` is 1. On the projected formulation the projection onto
+    $S_1(\theta(t_{n+1/2}))$ is what moves the state with the set: the first time it is
+    applied it carries the state from $S_1(t_n)$ to $S_1(t_{n+1/2})$, wherever it sits,
+    its second application is the identity up to the local error, and the projection
+    that closes the step (``ProjectedSolver``) carries the state on to
+    $S_1(t_{n+1})$. Applied first, these two halves of the motion of the set sit at
+    the two ends of the step, around the symmetric composition of the tangent flows;
+    applied later, they split the step asymmetrically, a local error of order
+    $\delta t^2$. Measured on the projected study model (midpoint sub-flows, local
+    slopes between 32 and 64 steps per layer): 2.00 for ``sequence=(0, 1, 2)`` and
+    ``(0, 2, 1)``; 1.03, 1.00, 1.03, 1.06 for ``(1, 0, 2)``, ``(2, 0, 1)``,
+    ``(1, 2, 0)``, ``(2, 1, 0)``. With time-independent $\sigma$ the set does not move
+    and the position of the projection no longer matters (the three sequences tried,
+    (0, 1, 2), (1, 0, 2), (2, 1, 0), measured 2.00); ``order`` states what holds for
+    all controls.
+
     Macaron ("FFN/2, attention, FFN/2", Lu et al. 2019) is one instance: on the pre-LN
     terms (attention, feed-forward), ``Strang(sequence=(1, 0))`` puts the feed-forward
     term outside and attention in the middle; ``Strang()`` gives "attention/2, FFN,
@@ -48,8 +65,9 @@ class Strang(AbstractSplittingSolver):
     def __check_init__(self):
         check_sub_solver("Strang", self.sub_solver)
 
-    def splitting_order(self, num_terms: int) -> int:
-        return 2
+    def splitting_order(self, num_terms, projections=()):
+        first = _check_permutation(self.sequence, num_terms, "Strang")[0]
+        return 2 if all(i == first for i in projections) else 1
 
     def feeds(self, source, target, terms):
         # Only the middle operator is always entered from one operator (the last outer
@@ -88,7 +106,7 @@ class Parallel(AbstractSplittingSolver):
     def __check_init__(self):
         check_sub_solver("Parallel", self.sub_solver)
 
-    def splitting_order(self, num_terms: int) -> int:
+    def splitting_order(self, num_terms, projections=()):
         return 1
 
     def feeds(self, source, target, terms):
@@ -177,7 +195,7 @@ class Hybrid(AbstractSplittingSolver):
             )
         return self.groups
 
-    def splitting_order(self, num_terms: int) -> int:
+    def splitting_order(self, num_terms, projections=()):
         return 1
 
     def feeds(self, source, target, terms):
