@@ -364,3 +364,94 @@ def test_to_pretrained_refuses_other_discretisations(saved, tmp_path):
     assert not os.path.exists(tmp_path / "out")  # nothing written
     with pytest.raises(ValueError, match="takes an ocformer.models.PretrainedModel"):
         to_pretrained(model.transformer, tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------
+# The export directory: never mixed with another checkpoint.
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {
+        os.path.relpath(os.path.join(root, name), directory): Path(root, name).read_bytes()
+        for root, _, names in os.walk(directory)
+        for name in names
+    }
+
+
+def _sharded_copy(src, dst) -> None:
+    """The checkpoint of ``src`` as two shards and an index, in ``dst``."""
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-1-of-2.safetensors": names[::2], "model-2-of-2.safetensors": names[1::2]}
+    os.makedirs(dst)
+    for file, part in shards.items():
+        save_file({k: tensors[k] for k in part}, os.path.join(dst, file), metadata={"format": "pt"})
+    index = {"weight_map": {k: f for f, part in shards.items() for k in part}}
+    Path(dst, "model.safetensors.index.json").write_text(json.dumps(index))
+    Path(dst, "config.json").write_text(Path(src, "config.json").read_text())
+
+
+def _siblings(directory) -> list[str]:
+    return sorted(os.listdir(os.path.dirname(directory)))
+
+
+def test_to_pretrained_refuses_a_directory_it_did_not_write(saved, tmp_path):
+    bert = from_pretrained(saved["bert"][0])
+    gpt2_dir, sharded = tmp_path / "gpt2", tmp_path / "sharded"
+    _rewrite(saved["gpt2"][0], gpt2_dir)  # a GPT-2 save_pretrained directory
+    _sharded_copy(saved["gpt2"][0], sharded)
+    for target in (gpt2_dir, sharded):
+        before = _files(target)
+        with pytest.raises(FileExistsError, match=r"not written by ocformer.*overwrite=True"):
+            to_pretrained(bert, target)
+        assert _files(target) == before  # byte for byte
+    assert _siblings(gpt2_dir) == ["gpt2", "sharded"]  # no temporary directory left
+
+
+def test_to_pretrained_overwrite_replaces_the_whole_directory(saved, inputs, tmp_path):
+    path, hf = saved["bert"]
+    target = tmp_path / "sharded"
+    _sharded_copy(saved["gpt2"][0], target)
+    to_pretrained(from_pretrained(path), target, overwrite=True)
+    # No stale shard or index of the GPT-2 checkpoint is left next to the new file.
+    assert sorted(os.listdir(target)) == [
+        "config.json",
+        "model.safetensors",
+        "ocformer_export.json",
+    ]
+    assert _siblings(target) == ["sharded"]
+    again = BertModel.from_pretrained(target).eval()
+    assert_close("bert", reference("bert", again, inputs), reference("bert", hf, inputs), F64_TOL)
+
+
+def test_to_pretrained_reexports_into_its_own_directory(saved, inputs, tmp_path):
+    target = tmp_path / "out"
+    to_pretrained(from_pretrained(saved["gpt2"][0]), target)
+    path, hf = saved["bert"]
+    to_pretrained(from_pretrained(path), target)  # an export of ocformer's: replaced whole
+    assert sorted(os.listdir(target)) == [
+        "config.json",
+        "model.safetensors",
+        "ocformer_export.json",
+    ]
+    assert _siblings(target) == ["out"]
+    again = BertModel.from_pretrained(target).eval()
+    assert_close("bert", reference("bert", again, inputs), reference("bert", hf, inputs), F64_TOL)
+    # A file the user added (a tokenizer, say) is not ocformer's: the export is refused.
+    (target / "vocab.txt").write_text("[PAD]\n")
+    before = _files(target)
+    with pytest.raises(
+        FileExistsError, match=r"files that ocformer did not write: \['vocab.txt'\]"
+    ):
+        to_pretrained(from_pretrained(path), target)
+    assert _files(target) == before
+
+
+def test_to_pretrained_into_a_file_is_a_value_error(saved, tmp_path):
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"not a directory")
+    with pytest.raises(ValueError, match="is a file") as info:
+        to_pretrained(from_pretrained(saved["gpt2"][0]), file)
+    assert not isinstance(info.value, FileExistsError)
+    assert file.read_bytes() == b"not a directory"
+    assert _siblings(file) == ["model.safetensors"]

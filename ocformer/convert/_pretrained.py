@@ -13,6 +13,8 @@ import dataclasses
 import json
 import os
 import re
+import shutil
+import uuid
 from collections.abc import Callable, Mapping
 
 import equinox as eqx
@@ -40,6 +42,10 @@ from ._layers import from_layers, to_layers
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# Written by to_pretrained next to the checkpoint: a directory that holds it (and only
+# ocformer's files) was written by ocformer and may be exported into again.
+EXPORT_MARKER = "ocformer_export.json"
+_EXPORT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, EXPORT_MARKER})
 
 # Hugging Face activation names -> the feed-forward sub-step. "gelu" is the exact (erf)
 # GELU; "gelu_new" and "gelu_pytorch_tanh" are its tanh approximation (GPT-2).
@@ -784,7 +790,69 @@ def _check_standard(transformer: ContinuousTransformer) -> None:
         )
 
 
-def to_pretrained(model: PretrainedModel, path: str | os.PathLike) -> None:
+def _check_destination(path: str, overwrite: bool) -> None:
+    """Refuse a destination that holds anything but ocformer's own export.
+
+    Raises:
+        ValueError: ``path`` is a file.
+        FileExistsError: ``path`` is a directory that is not empty and is not an
+            export of ocformer's (or holds files besides it), and ``overwrite`` is off.
+    """
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"to_pretrained writes a checkpoint directory, but {path!r} is a file; give "
+            "the path of a new or empty directory."
+        )
+    if overwrite or not os.path.isdir(path):
+        return
+    names = sorted(os.listdir(path))
+    if not names:
+        return
+    if EXPORT_MARKER in names:
+        foreign = [n for n in names if n not in _EXPORT_FILES]
+        if not foreign:
+            return
+        why = f"it holds files that ocformer did not write: {foreign}"
+    else:
+        shown = names[:6] + ([f"... {len(names) - 6} more"] if len(names) > 6 else [])
+        why = f"it was not written by ocformer (no {EXPORT_MARKER}; it holds {shown})"
+    raise FileExistsError(
+        f"to_pretrained refuses to write into {path!r}: {why}. Writing there would mix "
+        "two checkpoints (stale weights, shards or an index next to the new files). Give "
+        "a new or empty directory, or pass overwrite=True to replace the whole directory."
+    )
+
+
+def _sibling(path: str, kind: str) -> str:
+    """A new hidden name next to ``path``, on its file system (a rename cannot cross
+    file systems)."""
+    name = f".{os.path.basename(path)}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return os.path.join(os.path.dirname(path), name)
+
+
+def _replace_directory(new: str, path: str) -> None:
+    """Put the finished directory ``new`` at ``path`` (a sibling): by one rename when
+    ``path`` is absent or empty, else by moving the old directory aside first, so that
+    ``path`` holds either the old or the new checkpoint whole, never a mix."""
+    try:
+        os.rename(new, path)  # replaces an empty directory too
+        return
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+    old = _sibling(path, "old")
+    os.rename(path, old)
+    try:
+        os.rename(new, path)
+    except OSError:
+        os.rename(old, path)  # put the old checkpoint back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def to_pretrained(
+    model: PretrainedModel, path: str | os.PathLike, *, overwrite: bool = False
+) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
 
     ``config.json`` is the source configuration with ``architectures`` and ``dtype``
@@ -793,15 +861,33 @@ def to_pretrained(model: PretrainedModel, path: str | os.PathLike) -> None:
     ViTModel), in the model's dtype. The feed-forward kernels are reassembled as
     E + W_1 and R + W_2, so a round trip is exact up to one rounding of their diagonals.
 
+    The directory is written whole: into a temporary sibling directory, then renamed
+    into place, so an interrupted export never leaves half a checkpoint. Besides the
+    checkpoint it holds ``ocformer_export.json``, which marks it as ocformer's: it may
+    be exported into again (and is then replaced whole). Any other directory that is
+    not empty is refused unless ``overwrite=True``, which replaces it whole (no stale
+    shard, index or weight file of the old checkpoint is left).
+
+    Args:
+        model: the model to export.
+        path: the checkpoint directory (new, empty, or an earlier export).
+        overwrite: replace a directory that holds anything else.
+
     Raises:
         ValueError: ``model`` is not a ``PretrainedModel`` of a supported family, or its
-            transformer is not the standard discretisation (Lie, one step per layer).
+            transformer is not the standard discretisation (Lie, one step per layer);
+            or ``path`` is a file.
+        FileExistsError: ``path`` is a directory that is not empty and that ocformer
+            did not write (or holds files besides ocformer's export), and ``overwrite``
+            is off. Nothing in it is changed.
     """
     if not isinstance(model, PretrainedModel):
         raise ValueError(
             f"to_pretrained takes an ocformer.models.PretrainedModel, got {type(model).__name__}."
         )
     _check_standard(model.transformer)
+    path = os.path.abspath(os.fspath(path))
+    _check_destination(path, overwrite)
     config = json.loads(model.source_config)
     family = _family(config)
     tensors, updates = family.export(model, config)
@@ -813,10 +899,25 @@ def to_pretrained(model: PretrainedModel, path: str | os.PathLike) -> None:
         for k, v in tensors.items()
     }
     config |= updates | {"dtype": str(dtype)}
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, CONFIG_FILE), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    save_file(out, os.path.join(path, WEIGHTS_FILE), metadata={"format": "pt"})
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    staging = _sibling(path, "tmp")
+    os.mkdir(staging)  # with the user's umask, as the directory will have
+    try:
+        with open(os.path.join(staging, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        save_file(out, os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
+        marker = {"model_type": config["model_type"], "architectures": config["architectures"]}
+        with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
+            json.dump(marker, f, indent=2)
+        for name in os.listdir(staging):  # on disk before the rename makes them visible
+            with open(os.path.join(staging, name), "rb") as f:
+                os.fsync(f.fileno())
+        # Checked again just before the swap: the directory may have changed meanwhile.
+        _check_destination(path, overwrite)
+        _replace_directory(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _base_architecture(config: dict) -> str:
