@@ -31,7 +31,8 @@ import time
 from typing import Any
 
 import submitit
-from submitit.slurm.slurm import _make_sbatch_string
+
+from ._compat import make_sbatch_string
 
 TRAIN = ("-m", "ocformer.train")
 GRACE_S = 30.0
@@ -213,7 +214,7 @@ def job_script(args) -> str:
     }
     if args.partition:
         params["partition"] = args.partition
-    return _make_sbatch_string(command=command, folder=folder, **params)
+    return make_sbatch_string(command=command, folder=folder, **params)
 
 
 def slurm(args, train_args: list[str]) -> int:

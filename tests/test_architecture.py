@@ -73,17 +73,27 @@ def test_readme_package_table_lists_the_contract_layers():
     assert drawn == _contract_layers()
 
 
-def test_private_diffrax_names_come_from_one_module():
+def test_private_names_of_other_libraries_come_from_one_module():
     from diffrax import _root_finder, _term
+    from jax._src import distributed
+    from submitit.slurm import slurm
 
     from ocformer import _compat
 
     assert _compat.WrapTerm is _term.WrapTerm
     assert _compat.use_stepsize_tol is _root_finder.use_stepsize_tol
+    assert _compat.jax_distributed_state is distributed.global_state
+    kwargs = dict(command="true", folder="/tmp/x", map_count=2)
+    assert _compat.make_sbatch_string(**kwargs) == slurm._make_sbatch_string(**kwargs)
+    private = re.compile(
+        r"from (diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)*\._|"
+        r"import (diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)*\._|"
+        r"from (diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)* import _"
+    )
     offenders = [
         str(path.relative_to(ROOT))
         for path in (ROOT / "ocformer").rglob("*.py")
-        if path.name != "_compat.py" and "from diffrax._" in path.read_text()
+        if path.name != "_compat.py" and private.search(path.read_text())
     ]
     assert offenders == []
 

@@ -15,7 +15,8 @@ import socket
 import time
 
 import jax
-from jax._src import distributed as _distributed
+
+from .._compat import jax_distributed_state
 
 ENV_COORDINATOR = "OCFORMER_COORDINATOR"
 ENV_NUM_PROCESSES = "OCFORMER_NUM_PROCESSES"
@@ -131,7 +132,7 @@ def _check_counts(num_processes: int, process_id: int, timeout_s: int) -> None:
     """Every process was started with the same number of processes: each publishes its
     count in the coordinator's key-value store and reads the others' (bounded wait)."""
 
-    client = _distributed.global_state.client
+    client = jax_distributed_state.client
     if client is None:  # pragma: no cover - initialize succeeded, so there is one
         return
     client.key_value_set(f"ocformer/num_processes/{process_id}", str(num_processes))

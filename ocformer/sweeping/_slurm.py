@@ -19,6 +19,7 @@ from typing import Any
 
 import submitit
 
+from .._compat import make_sbatch_string
 from ._run import _children, _children_lock, run_point
 from ._spec import SweepError
 
@@ -145,8 +146,6 @@ def job_script(sweep_dir: str, num_points: int, options: SlurmOptions) -> str:
     """The sbatch script ``--launcher slurm`` submits for ``num_points`` points."""
     # submitit writes exactly this script (its own generator) for a map_array of
     # num_points calls.
-    from submitit.slurm.slurm import _make_sbatch_string
-
     folder = os.path.join(sweep_dir, "slurm", "%j")
     command = " ".join(
         [shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)]
@@ -163,4 +162,4 @@ def job_script(sweep_dir: str, num_points: int, options: SlurmOptions) -> str:
         params["gpus_per_node"] = options.gpus
     if options.partition:
         params["partition"] = options.partition
-    return _make_sbatch_string(command=command, folder=folder, **params)
+    return make_sbatch_string(command=command, folder=folder, **params)
