@@ -1,5 +1,7 @@
 """Test-wide settings: float64 available, strict rank promotion, warnings as errors
-(pyproject), and shape checking of annotated public functions where practical."""
+(pyproject), and the order in which tests are handed to the workers. Array shapes in
+public signatures are documented by the jaxtyping aliases of ``ocformer._custom_types``;
+they are not checked at run time."""
 
 import os
 
