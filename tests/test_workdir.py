@@ -346,7 +346,7 @@ def test_empty_directory_is_claimed_and_marked(tmp_path):
     with open(tmp_path / "run" / RUN_MARKER, encoding="utf-8") as f:
         assert "created" in json.load(f)
     assert sorted(os.listdir(tmp_path / "run")) == [
-        "config.json", RUN_MARKER, "run.json", "tb"
+        ".lock", "config.json", RUN_MARKER, "run.json", "tb"
     ]  # fmt: skip
 
 

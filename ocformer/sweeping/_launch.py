@@ -6,10 +6,12 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from ..checkpointing import atomic_write_text
+from ..training import DirectoryLock, WorkdirError
 from ._points import Point, check_buildable, resolve_points
 from ._results import report
 from ._run import is_finished, point_dir, read_status, run_local
@@ -17,7 +19,7 @@ from ._slurm import executor_for, job_script, require_slurm, slurm_options, subm
 from ._spec import SEED_FIELD, Sweep, SweepError, load_sweep
 
 _SWEEP_FILE = "sweep.json"
-_OWN = {_SWEEP_FILE, "points", "cache", "slurm", "plots", "results.csv", "results.md"}
+_OWN = {_SWEEP_FILE, ".lock", "points", "cache", "slurm", "plots", "results.csv", "results.md"}
 
 
 def sweep_id(sweep_path: str, arg: str | None) -> str:
@@ -54,6 +56,25 @@ def check_workdir(workdir: str, ident: str) -> None:
             f"is not a sweep directory (it holds {', '.join(foreign[:5])}); give a new or "
             "empty --workdir",
         )
+
+
+@contextmanager
+def _locked(workdir: str) -> Iterator[None]:
+    """Hold the sweep directory's write lock (see ``ocformer.training.DirectoryLock``):
+    one sweep writes a directory at a time.
+
+    Raises:
+        SweepError: another process holds the lock (naming its pid and host).
+    """
+    lock = DirectoryLock(workdir, what="sweep directory")
+    try:
+        lock.acquire()
+    except WorkdirError as e:
+        raise SweepError("", str(e)) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _point_record(spec: str, p: Point) -> dict:
@@ -209,7 +230,15 @@ def run_sweep(
     if launcher == "slurm" and executor is None and pending:
         executor = executor_for(workdir, slurm_options(sweep.slurm, slurm or {}))
     os.makedirs(workdir, exist_ok=True)
-    atomic_write_text(os.path.join(workdir, _SWEEP_FILE), json.dumps(info, indent=2) + "\n")
+    with _locked(workdir):
+        # Checked again under the lock: another sweep may have written it since plan().
+        check_workdir(workdir, info["id"])
+        atomic_write_text(os.path.join(workdir, _SWEEP_FILE), json.dumps(info, indent=2) + "\n")
+        return _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel, stream)
+
+
+def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel, stream) -> int:
+    """Run (or submit) the points of a locked sweep directory and report."""
     if launcher == "slurm":
         if not pending:
             print(

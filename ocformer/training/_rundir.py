@@ -2,7 +2,9 @@
 
 A work directory holds the user's results, so nothing in it is overwritten without
 cause. It is ocformer's if it holds the marker ``ocformer_run.json`` (written atomically
-when the directory is claimed); any other directory that is not empty is refused. A
+when the directory is claimed); any other directory that is not empty is refused. One
+process writes it at a time: the writer holds the directory's lock (``DirectoryLock``,
+``.lock``) from the claim until it closes the directory. A
 resumed run must have the configuration stored in ``config.json``; an allowed change is
 recorded in ``config_history.jsonl``, so that the directory keeps describing every step
 of its history.
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from ..checkpointing import CheckpointManager, atomic_write_text, remove_stale_temporaries
 from ..config import Config, to_dict
 from ._errors import ConfigChanged, WorkdirError
+from ._lock import LOCK_FILE, DirectoryLock
 from ._metrics import MetricsLog, TensorBoard, rewind_samples
 from ._run_info import git_revision, package_versions, platform_info
 
@@ -81,13 +84,14 @@ class RunDirectory:
 
     In a run of several processes every process holds a ``RunDirectory`` of the same
     (shared) path: all of them restore and save checkpoints; only the ``primary`` one
-    (process 0) claims the directory and writes records, logs and samples, and
+    (process 0) claims (and locks) the directory and writes records, logs and samples, and
     ``barrier`` (called with a name by every process) orders the two.
 
     Raises:
         WorkdirError: (from ``__init__`` and ``check``) an empty path, a path that is a
             file, a directory that cannot be created or written, or a directory that
-            is not empty and has no ocformer marker.
+            is not empty and has no ocformer marker; (from ``start``) a directory that
+            another process is writing (its lock is held).
         ConfigChanged: (from ``check``) a run to resume whose configuration differs.
     """
 
@@ -116,6 +120,8 @@ class RunDirectory:
         self.stored_config: dict | None = None  # config.json as found by check()
         self.primary = primary
         self._barrier = barrier or (lambda name: None)
+        self._lock = DirectoryLock(self.path)
+        self._allow_config_change = False
 
     # -- inspecting (changes nothing) ------------------------------------------------
 
@@ -150,6 +156,7 @@ class RunDirectory:
                 f"work directory {self.path} is a file, not a directory; choose another --workdir"
             )
         self._check_writable()
+        self._allow_config_change = allow_config_change
         if not os.path.isdir(self.path):
             return {}
         try:
@@ -158,6 +165,8 @@ class RunDirectory:
             raise WorkdirError(f"work directory {self.path} cannot be read: {e.strerror}") from None
         # A marker's own temporary file (a claim cut short by a kill) is ocformer's too.
         names = [n for n in names if not n.startswith(f"{RUN_MARKER}.tmp-")]
+        # So is a lock file alone (a writer killed before it wrote the marker).
+        names = [n for n in names if n != LOCK_FILE]
         if names and RUN_MARKER not in names:
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
             raise WorkdirError(
@@ -201,10 +210,20 @@ class RunDirectory:
         Returns:
             ``(step, restored)``: the restored step and tree, or ``(None, None)`` for a
             fresh run.
+
+        Raises:
+            WorkdirError: another process holds the directory's lock (nothing written).
+            ConfigChanged: another writer changed the directory since ``check``.
         """
         # Every process has inspected the directory before the primary one writes.
         self._barrier("ocformer:rundir:checked")
         if self.primary:
+            self._lock_directory()
+            # Another writer may have run between check() and the lock: what it left is
+            # inspected again, under the lock, before anything is written.
+            changes = self.check(
+                config, allow_config_change=self._allow_config_change or bool(changes)
+            )
             self._claim()
         self.checkpoints = CheckpointManager(
             os.path.join(self.path, "checkpoints"), keep=keep_checkpoints
@@ -223,9 +242,17 @@ class RunDirectory:
         self._continue_logs(config, step)
         return step, restored
 
-    def _claim(self) -> None:
+    def _lock_directory(self) -> None:
         try:
             os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise WorkdirError(
+                f"work directory {self.path} cannot be created or written: {e.strerror}"
+            ) from None
+        self._lock.acquire()
+
+    def _claim(self) -> None:
+        try:
             if not os.path.exists(os.path.join(self.path, RUN_MARKER)):
                 marker = {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "ocformer": _version()}
                 atomic_write_text(os.path.join(self.path, RUN_MARKER), json.dumps(marker))
@@ -320,11 +347,15 @@ class RunDirectory:
         }
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        try:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+            if self.checkpoints is not None:
+                self.checkpoints.close()
+        finally:
+            # Last: every write above is finished before another writer may start.
+            self._lock.release()
 
     def __enter__(self) -> "RunDirectory":
         return self
