@@ -78,6 +78,21 @@ def test_diffrax_solver_orders_match_order():
         assert abs(r["slope"] - r["expected_order"]) <= 0.3, (name, r)
 
 
+def test_relaxed_formulation_at_a_fixed_eps_is_studied_over_the_steps():
+    result = convergence_study(
+        ["kencarp3"], (4, 8), formulation="relaxed", relaxation_eps=0.1, reference_factor=2
+    )
+    # The reference takes at least 1/eps steps per layer (here 10 > 2 * 8).
+    assert result["reference"] == dict(solver="tsit5", steps_per_layer=16, formulation="relaxed")
+    r = result["schemes"]["kencarp3"]
+    assert r["status"] == "ok" and r["expected_order"] == 3, r
+    assert r["dt_over_eps"] == pytest.approx([2.5, 1.25], rel=1e-12)
+    assert r["errors"][0] > r["errors"][1] > 0
+    with pytest.raises(ValueError, match="formulation='relaxed'"):
+        convergence_study(["kencarp3"], formulation="pre", relaxation_eps=0.1)
+    assert main(["convergence", "--formulation", "pre", "--relaxation-eps", "0.1"]) == 2
+
+
 def test_scheme_names_keep_strang_sequences_whole():
     assert _names("lie,strang(1,0,2), strang(2, 1, 0),heun") == [
         "lie",

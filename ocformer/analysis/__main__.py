@@ -3,6 +3,8 @@
 Example:
     python -m ocformer.analysis convergence --schemes lie,strang --steps 4,8,16,32,64 \\
         --json orders.json --formulation projected --plot orders.png
+    python -m ocformer.analysis convergence --formulation relaxed --relaxation-eps 0.01 \\
+        --schemes kvaerno3,kencarp3 --steps 4,8,16,32,64
 """
 
 import argparse
@@ -59,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--formulation", default="pre", choices=("pre", "projected", "relaxed"))
     conv.add_argument("--seed", type=int, default=0)
     conv.add_argument("--epsilons", default="0.1,0.03,0.01,0.003,0.001")
+    conv.add_argument(
+        "--relaxation-eps",
+        type=float,
+        default=None,
+        help="with --formulation relaxed: study the schemes over --steps on the relaxed "
+        "equation with this epsilon (instead of the error in epsilon)",
+    )
     conv.add_argument("--json", dest="json_path", default=None, help="write the result here")
     conv.add_argument("--plot", default=None, help="write a log-log plot (PNG) here")
     args = parser.parse_args(argv)
@@ -81,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             formulation=args.formulation,
             seed=args.seed,
             epsilons=_floats(args.epsilons),
+            relaxation_eps=args.relaxation_eps,
         )
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -7,6 +7,7 @@ Transformer with smooth (``Basis``) controls, so that the continuous limit is a 
 non-autonomous ODE and the asymptotic regime is reached at a few steps per layer.
 """
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -150,6 +151,7 @@ def convergence_study(
     epsilons: Sequence[float] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3),
     relaxed_solver: str = "kencarp5",
     relaxed_steps: int = 32,
+    relaxation_eps: float | None = None,
     model: ContinuousTransformer | None = None,
 ) -> dict:
     r"""Errors at T against a reference and the fitted orders, for each scheme.
@@ -164,7 +166,12 @@ def convergence_study(
     For ``"relaxed"`` the study instead reports the error of the relaxed model (solved
     by ``relaxed_solver`` at ``relaxed_steps`` steps per layer, with the relaxation
     implicit) against the projected-dynamics reference for each epsilon, and the fitted
-    slope in epsilon (expected 1); ``schemes`` and ``steps`` are then unused.
+    slope in epsilon (expected 1); ``schemes`` and ``steps`` are then unused. With
+    ``relaxation_eps`` given, ``"relaxed"`` is instead studied like the other
+    formulations: each scheme over ``steps`` on the relaxed equation with that epsilon,
+    against Tsit5 on the same equation (at ``reference_factor`` times the finest step
+    count, and at least $1/\epsilon$ steps per layer so that the explicit reference is
+    stable and resolves the relaxation); each scheme's entry also holds ``dt_over_eps``.
 
     Args:
         schemes: names from ``ocformer.splitting.SCHEMES`` or ``ocformer.splitting.SOLVERS``.
@@ -174,6 +181,8 @@ def convergence_study(
         seed: seeds the model and the input.
         reference_factor: the reference's step count relative to the finest.
         epsilons, relaxed_solver, relaxed_steps: the relaxation study.
+        relaxation_eps: study the schemes on the relaxed formulation at this epsilon
+            (only with ``formulation="relaxed"``).
         model: a model to study instead of ``study_model(formulation, seed)``.
 
     Returns:
@@ -185,21 +194,36 @@ def convergence_study(
         other schemes are still computed.
     """
     steppers = {name: study_stepper(name) for name in schemes}  # unknown names first
+    if relaxation_eps is not None:
+        if formulation != "relaxed":
+            raise ValueError(
+                f"relaxation_eps={relaxation_eps!r} is the epsilon of the relaxed "
+                f"formulation; got formulation={formulation!r}. Use formulation='relaxed'."
+            )
+        if not relaxation_eps > 0:
+            raise ValueError(f"relaxation_eps must be > 0, got {relaxation_eps!r}.")
     if model is None:
         model = study_model(formulation, seed)
+    eps_study = formulation == "relaxed" and relaxation_eps is None
     u0 = study_input(model, seed)
     steps = sorted(int(m) for m in steps)
-    if formulation != "relaxed" and len(steps) < 2:
+    if not eps_study and len(steps) < 2:
         raise ValueError(f"A slope needs at least two step counts, got {steps}.")
     t0, t1 = model.control.interval
     length = (t1 - t0) / model.num_layers
-    ref_steps = reference_factor * (steps[-1] if formulation != "relaxed" else relaxed_steps)
-    ref_form = "projected" if formulation == "relaxed" else model.formulation
-    reference = reformulate(
-        model,
-        formulation=ref_form,
-        discretisation=Discretisation(SOLVERS[REFERENCE_SOLVER](), steps_per_layer=ref_steps),
-    )
+    ref_steps = reference_factor * (relaxed_steps if eps_study else steps[-1])
+    if relaxation_eps is not None:
+        ref_steps = max(ref_steps, math.ceil(length / relaxation_eps))
+    ref_discretisation = Discretisation(SOLVERS[REFERENCE_SOLVER](), steps_per_layer=ref_steps)
+    if relaxation_eps is not None:
+        model = reformulate(
+            model,
+            formulation="relaxed",
+            relaxation_eps=float(relaxation_eps),
+            discretisation=ref_discretisation,
+        )
+    ref_form = "projected" if eps_study else model.formulation
+    reference = reformulate(model, formulation=ref_form, discretisation=ref_discretisation)
     u_ref = reference(u0)
     out: dict = dict(
         formulation=formulation,
@@ -214,7 +238,9 @@ def convergence_study(
         reference=dict(solver=REFERENCE_SOLVER, steps_per_layer=ref_steps, formulation=ref_form),
         error="max |u_h(T) - u_ref(T)|",
     )
-    if formulation == "relaxed":
+    if relaxation_eps is not None:
+        out["relaxation_eps"] = float(relaxation_eps)
+    if eps_study:
         errors = []
         for eps in epsilons:
             relaxed = reformulate(
@@ -268,6 +294,8 @@ def convergence_study(
             expected_order=expected,
             sub_solver=sub_solver,
         )
+        if relaxation_eps is not None:
+            entry["dt_over_eps"] = [dt / relaxation_eps for dt in dts]
         if sub_solver != "euler":
             entry["note"] = (
                 f"{name}: its explicit sub-flows use the {sub_solver} rule, since Euler "
@@ -280,8 +308,9 @@ def convergence_study(
 
 def format_table(result: dict) -> str:
     """The study as a plain-text table."""
+    eps = f" eps={result['relaxation_eps']:g}" if "relaxation_eps" in result else ""
     lines = [
-        f"formulation={result['formulation']} seed={result['seed']} "
+        f"formulation={result['formulation']}{eps} seed={result['seed']} "
         f"reference={result['reference']['solver']} at "
         f"{result['reference']['steps_per_layer']} steps/layer; error = {result['error']}"
     ]
@@ -312,6 +341,9 @@ def format_table(result: dict) -> str:
         lines.append(f"{label:>12}" + "".join(cell(n, "local_slopes", ".3f", i) for n in names))
     lines.append(f"{'slope':>12}" + "".join(cell(n, "slope", ".3f") for n in names))
     lines.append(f"{'order()':>12}" + "".join(cell(n, "expected_order", "") for n in names))
+    if "relaxation_eps" in result and steps:
+        dt_over_eps = ", ".join(f"{x:g}" for x in cells[ok[0]]["dt_over_eps"])
+        lines.append(f"dt/eps at these steps/layer: {dt_over_eps}")
     for n in names:
         if "note" in cells[n]:
             lines.append(f"note: {cells[n]['note']}")
