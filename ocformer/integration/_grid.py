@@ -92,6 +92,7 @@ class StepOverJumps(diffrax.AbstractStepSizeController):
         del terms, t1, y0, args, func, error_order
         if dt0 is not None:
             raise ValueError("dt0 must be None: the grid determines the steps.")
+        t0 = jnp.asarray(t0)
         i = self._nearest(t0)
         step_past_jump = jnp.nextafter(t0, jnp.asarray(jnp.inf, t0.dtype))
         return jnp.where(self.on_jump[i], step_past_jump, self._end(i + 1)), None
@@ -100,6 +101,7 @@ class StepOverJumps(diffrax.AbstractStepSizeController):
         self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
     ):
         del t0, y0, y1_candidate, args, y_error, error_order, controller_state
+        t1 = jnp.asarray(t1)
         i = self._nearest(t1)  # the grid point this step ended at (or just past)
         jump = self.on_jump[i]
         next_t0 = jnp.where(
