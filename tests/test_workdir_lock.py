@@ -6,7 +6,6 @@ The holder is a real process: a helper that takes the lock and sleeps, or a trai
 run; the refused writers are the command lines in subprocesses.
 """
 
-import hashlib
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ import sys
 import time
 
 import pytest
+from test_workdir import snapshot
 
 from ocformer.training import LOCK_FILE, RUN_MARKER, DirectoryLock, WorkdirError
 
@@ -37,16 +37,6 @@ def env():
     e = dict(os.environ)
     e.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", EQX_ON_ERROR="nan")
     return e
-
-
-def snapshot(directory) -> dict[str, str]:
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 def hold(directory, env) -> subprocess.Popen:
