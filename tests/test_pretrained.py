@@ -395,6 +395,19 @@ def _siblings(directory) -> list[str]:
     return sorted(os.listdir(os.path.dirname(directory)))
 
 
+def _assert_holds_only_the_export(target, hf, inputs):
+    """``target`` holds ocformer's three files, nothing else (no stale shard, index or
+    temporary sibling), and ``transformers`` loads from it the BERT ``hf``."""
+    assert sorted(os.listdir(target)) == [
+        "config.json",
+        "model.safetensors",
+        "ocformer_export.json",
+    ]
+    assert _siblings(target) == [os.path.basename(target)]
+    again = BertModel.from_pretrained(target).eval()
+    assert_close("bert", reference("bert", again, inputs), reference("bert", hf, inputs), F64_TOL)
+
+
 def test_to_pretrained_refuses_a_directory_it_did_not_write(saved, tmp_path):
     bert = from_pretrained(saved["bert"][0])
     gpt2_dir, sharded = tmp_path / "gpt2", tmp_path / "sharded"
@@ -414,14 +427,7 @@ def test_to_pretrained_overwrite_replaces_the_whole_directory(saved, inputs, tmp
     _sharded_copy(saved["gpt2"][0], target)
     to_pretrained(from_pretrained(path), target, overwrite=True)
     # No stale shard or index of the GPT-2 checkpoint is left next to the new file.
-    assert sorted(os.listdir(target)) == [
-        "config.json",
-        "model.safetensors",
-        "ocformer_export.json",
-    ]
-    assert _siblings(target) == ["sharded"]
-    again = BertModel.from_pretrained(target).eval()
-    assert_close("bert", reference("bert", again, inputs), reference("bert", hf, inputs), F64_TOL)
+    _assert_holds_only_the_export(target, hf, inputs)
 
 
 def test_to_pretrained_reexports_into_its_own_directory(saved, inputs, tmp_path):
@@ -429,14 +435,7 @@ def test_to_pretrained_reexports_into_its_own_directory(saved, inputs, tmp_path)
     to_pretrained(from_pretrained(saved["gpt2"][0]), target)
     path, hf = saved["bert"]
     to_pretrained(from_pretrained(path), target)  # an export of ocformer's: replaced whole
-    assert sorted(os.listdir(target)) == [
-        "config.json",
-        "model.safetensors",
-        "ocformer_export.json",
-    ]
-    assert _siblings(target) == ["out"]
-    again = BertModel.from_pretrained(target).eval()
-    assert_close("bert", reference("bert", again, inputs), reference("bert", hf, inputs), F64_TOL)
+    _assert_holds_only_the_export(target, hf, inputs)
     # A file the user added (a tokenizer, say) is not ocformer's: the export is refused.
     (target / "vocab.txt").write_text("[PAD]\n")
     before = _files(target)

@@ -75,25 +75,34 @@ def assert_free(directory):
         assert json.load(f)["pid"] == os.getpid()
 
 
+def assert_second_writer_refused(directory, command, env):
+    """While a helper holds ``directory``'s lock, ``command`` (a second writer) exits 2
+    naming the holder and changes no file; once the holder is killed the lock is free."""
+    holder = hold(directory, env)
+    try:
+        before = snapshot(directory)
+        result = subprocess.run(
+            command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert_refused(result, directory, holder)
+        assert snapshot(directory) == before
+    finally:
+        kill(holder)
+    assert_free(directory)
+
+
 def test_second_train_is_refused_and_a_killed_holders_lock_is_free(tmp_path, env):
     workdir = tmp_path / "run"
     workdir.mkdir()
     # A run in progress: its marker and first records.
     (workdir / RUN_MARKER).write_text('{"created": "2026-01-01T00:00:00+0000"}')
     (workdir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.9}\n')
-    holder = hold(workdir, env)
-    try:
-        before = snapshot(workdir)
-        result = subprocess.run(
-            [sys.executable, "-m", "ocformer.train", "--config", SMOKE, "--workdir", str(workdir),
-             "--set", "train.steps=2", "--set", "train.progress=false"],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert_refused(result, workdir, holder)
-        assert snapshot(workdir) == before
-    finally:
-        kill(holder)
-    assert_free(workdir)
+    assert_second_writer_refused(
+        workdir,
+        [sys.executable, "-m", "ocformer.train", "--config", SMOKE, "--workdir", str(workdir),
+         "--set", "train.steps=2", "--set", "train.progress=false"],
+        env,
+    )  # fmt: skip
 
 
 def test_second_sweep_is_refused_and_a_killed_holders_lock_is_free(tmp_path, env):
@@ -101,19 +110,12 @@ def test_second_sweep_is_refused_and_a_killed_holders_lock_is_free(tmp_path, env
     out.mkdir()
     # A sweep in progress: its record, naming the same sweep.
     (out / "sweep.json").write_text(json.dumps({"id": "smoke", "points": []}))
-    holder = hold(out, env)
-    try:
-        before = snapshot(out)
-        result = subprocess.run(
-            [sys.executable, "-m", "ocformer.sweep", SMOKE_SWEEP, "--workdir", str(out),
-             "--only", "layers=1"],
-            env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert_refused(result, out, holder)
-        assert snapshot(out) == before
-    finally:
-        kill(holder)
-    assert_free(out)
+    assert_second_writer_refused(
+        out,
+        [sys.executable, "-m", "ocformer.sweep", SMOKE_SWEEP, "--workdir", str(out),
+         "--only", "layers=1"],
+        env,
+    )  # fmt: skip
 
 
 def test_lock_is_exclusive_within_and_across_processes(tmp_path):

@@ -37,8 +37,9 @@ class DirectoryLock:
 
     Args:
         directory: the directory to lock.
-        what: how the refusal names the directory and its fix, e.g. ``"work
-            directory"`` and ``"--workdir"``.
+        what: how the refusal names the directory, e.g. ``"work directory"``.
+        flag: the option that chooses another directory, named in the refusal's fix,
+            e.g. ``"--workdir"``.
 
     Raises:
         WorkdirError: (from ``acquire``) another process holds the lock; the message
