@@ -47,7 +47,17 @@ class ModelConfig:
         choices=("split", "projected", "relaxed"),
     )
     relaxation_eps: float = _field(1e-2, "epsilon of the relaxed formulation", gt=0.0)
-    dtype: str = _field("float32", "floating dtype of parameters", choices=("float32", "float64"))
+    dtype: str = _field(
+        "float32",
+        "floating dtype of the master parameters, optimiser state and checkpoints",
+        choices=("float32", "float64"),
+    )
+    precision: str | None = _field(
+        None,
+        "compute dtype of the loss and its gradient (None: model.dtype); layer-norm "
+        "statistics, softmax, loss and times stay in float32 or wider",
+        choices=(None, "float32", "bfloat16", "float64"),
+    )
     attention: str = _field(
         "dot",
         "Q/K/V projections: pointwise (dot) or CvT's local kernels over the 2-D token grid "
@@ -185,6 +195,9 @@ class TrainConfig:
         30.0, "after SIGTERM, seconds allowed to checkpoint before exiting anyway", gt=0.0
     )
     progress: bool = _field(True, "show a progress bar")
+    profile_steps: str | None = _field(
+        None, "A:B writes a jax.profiler trace of steps A+1..B to DIR/profile (A < B <= steps)"
+    )
 
 
 @dataclass(frozen=True)

@@ -201,6 +201,8 @@ def _check_combinations(c: Config) -> None:
             f"divisor of {m.width}",
         )
     _check_mesh(c)
+    _check_precision(c)
+    _check_profile(c)
     if m.attention == "conv" and m.conv_kernel % 2 == 0:
         raise ConfigError(
             "model.conv_kernel",
@@ -232,6 +234,43 @@ def _check_combinations(c: Config) -> None:
             "objective.kernel_bound",
             "objective.kernel_norm and objective.kernel_bound go together (got "
             f"kernel_norm={o.kernel_norm!r}, kernel_bound={o.kernel_bound!r})",
+        )
+
+
+def _check_precision(c: Config) -> None:
+    m = c.model
+    if m.precision == "float64" and m.dtype != "float64":
+        raise ConfigError(
+            "model.precision",
+            f"float64 compute on {m.dtype} parameters would round every gradient back to "
+            f"{m.dtype}; set model.dtype=float64 too, or model.precision={m.dtype}",
+        )
+
+
+def _profile_range(text: str) -> tuple[int, int] | None:
+    """``(A, B)`` of a ``train.profile_steps`` value ``"A:B"``, or None if malformed."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1])
+
+
+def _check_profile(c: Config) -> None:
+    text, steps = c.train.profile_steps, c.train.steps
+    if text is None:
+        return
+    span = _profile_range(text)
+    if span is None:
+        raise ConfigError(
+            "train.profile_steps",
+            f"got {text!r}; give two step counts A:B (the trace covers steps A+1 to B), "
+            "e.g. train.profile_steps=10:15",
+        )
+    if not span[0] < span[1] <= steps:
+        raise ConfigError(
+            "train.profile_steps",
+            f"got {text!r}; A:B needs A < B <= train.steps={steps} (the trace covers "
+            "steps A+1 to B), e.g. train.profile_steps=10:15",
         )
 
 
