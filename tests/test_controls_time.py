@@ -18,6 +18,7 @@ from ocformer.controls import (
     init_stacked_params,
     make_control,
 )
+from ocformer.integration import Discretisation, time_dtype, time_grid
 from ocformer.models import ContinuousTransformer, rediscretise, refine
 from ocformer.splitting import Strang
 
@@ -127,3 +128,66 @@ def test_piecewise_constant_refinement_converges():
     errors = [float(jnp.max(jnp.abs(refine(model, m)(u0) - ref))) for m in steps]
     slope = fitted_slope([1 / m for m in steps], errors)
     assert 0.8 <= slope <= 1.3, (errors, slope)
+
+
+def _bf16_grid(layers, steps_per_layer):
+    values = init_stacked_params(jr.PRNGKey(0), layers, 2, 2, dtype=jnp.bfloat16)
+    control = PiecewiseConstant(values)
+    ts, num = time_grid(control, steps_per_layer, jnp.bfloat16)
+    return control, ts, num
+
+
+def test_time_grid_of_a_bfloat16_state_reads_each_layers_controls():
+    """A bfloat16 state gets a float32 grid: in bfloat16 (8 significant bits) 64 layers
+    x 4 steps put 31 of the 256 step midpoints in the neighbouring layer."""
+    control, ts, num = _bf16_grid(64, 4)
+    assert ts.dtype == jnp.float32 and num == 256
+    mids = 0.5 * (ts[:-1] + ts[1:])  # where a splitting step reads the controls
+    np.testing.assert_array_equal(np.asarray(control.index(mids)), np.arange(256) // 4)
+    # The same midpoints in the state's dtype: the defect the float32 grid avoids.
+    in_bf16 = jnp.linspace(0.0, 64.0, 257, dtype=jnp.bfloat16)
+    wrong = control.index(0.5 * (in_bf16[:-1] + in_bf16[1:])) != np.arange(256) // 4
+    assert int(jnp.sum(wrong)) == 31
+
+
+def test_time_grid_of_a_bfloat16_state_is_increasing():
+    _, ts, num = _bf16_grid(24, 16)
+    assert ts.dtype == jnp.float32 and num == 384
+    assert bool(jnp.all(jnp.diff(ts) > 0))
+    np.testing.assert_array_equal(np.asarray(ts), np.linspace(0, 24, 385, dtype=np.float32))
+    assert not bool(jnp.all(jnp.diff(jnp.linspace(0.0, 24.0, 385, dtype=jnp.bfloat16)) > 0))
+
+
+def test_time_is_at_least_float32():
+    for state, time in [
+        ("bfloat16", "float32"),
+        ("float16", "float32"),
+        ("float32", "float32"),
+        ("float64", "float64"),
+    ]:
+        assert time_dtype(jnp.dtype(state)) == jnp.dtype(time)
+
+
+def test_bfloat16_state_is_solved_on_a_float32_grid_and_cast_back():
+    """diffrax promotes y0 to the dtype of time: a bfloat16 state is stepped in float32
+    (with the bfloat16 controls, exact in float32) and the saved states are cast back.
+    The result is then the float32 solve of the same model, rounded once to bfloat16.
+    On a bfloat16 grid (64 layers x 4 steps) a quarter of the last layer's steps read
+    the wrong layer's controls and this equality fails."""
+    values = init_stacked_params(jr.PRNGKey(4), 64, 4, 4, dtype=jnp.bfloat16)
+    model = ContinuousTransformer(
+        PiecewiseConstant(values),
+        norm="pre",
+        num_heads=1,
+        discretisation=Discretisation(steps_per_layer=4),
+    )
+    u0 = jr.normal(jr.PRNGKey(5), (3, 4), jnp.bfloat16)
+    sol = model.solve(u0, saveat=diffrax.SaveAt(t0=True, steps=True))
+    assert sol.ys.dtype == jnp.bfloat16 and sol.ts.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(sol.ts), np.linspace(0, 64, 257, dtype=np.float32))
+    reference = model.solve(u0.astype(jnp.float32)).ys
+    assert reference.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(sol.ys[-1].astype(jnp.float32)),
+        np.asarray(reference[-1].astype(jnp.bfloat16).astype(jnp.float32)),
+    )

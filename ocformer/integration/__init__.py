@@ -20,6 +20,7 @@ from ._grid import (
     adaptive_controller as adaptive_controller,
     adaptive_max_steps as adaptive_max_steps,
     constant_controller as constant_controller,
+    time_dtype as time_dtype,
     time_grid as time_grid,
 )
 from ._solve import bind_solver as bind_solver, solve as solve

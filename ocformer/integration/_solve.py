@@ -1,6 +1,8 @@
 """The single place where terms, time stepper and gradient method meet."""
 
 import diffrax
+import equinox as eqx
+import jax
 
 from ..controls import AbstractControl
 from ..dynamics import DynamicsArgs
@@ -43,6 +45,10 @@ def solve(
       the grid (``1 / steps_per_layer`` of the first layer); ``max_steps`` is
       ``ADAPTIVE_STEPS_PER_LAYER`` times the grid's step count;
     - the adjoint is ``discretisation.gradient.adjoint(...)`` for this grid.
+
+    Time is at least float32 whatever the state's dtype (``time_dtype``). diffrax
+    integrates in the promoted dtype of state and time, so a bfloat16 (or float16)
+    state is stepped in float32; the saved states are cast back to the dtype of ``u0``.
     """
     ts, num_steps = time_grid(control, discretisation.steps_per_layer, u0.dtype)
     stepper = bind_solver(stepper, terms)
@@ -58,7 +64,7 @@ def solve(
     adjoint = discretisation.gradient.adjoint(
         stepper, control, discretisation.steps_per_layer, adaptive
     )
-    return diffrax.diffeqsolve(
+    sol = diffrax.diffeqsolve(
         terms,
         stepper,
         t0=ts[0],
@@ -71,3 +77,8 @@ def solve(
         adjoint=adjoint,
         saveat=diffrax.SaveAt(t1=True) if saveat is None else saveat,
     )
+    if sol.ys is None or jax.tree.leaves(sol.ys)[0].dtype == u0.dtype:
+        return sol
+    # diffeqsolve promoted y0 to the dtype of time (see ``time_dtype``).
+    ys = jax.tree.map(lambda y: y.astype(u0.dtype), sol.ys)
+    return eqx.tree_at(lambda s: s.ys, sol, ys)
