@@ -33,6 +33,7 @@ from typing import Any
 import submitit
 
 from ._compat import make_sbatch_string
+from .distributed import stop_processes
 
 TRAIN = ("-m", "ocformer.train")
 GRACE_S = 30.0
@@ -128,26 +129,13 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
                 f"process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
                 f"processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
             )
-            _stop(procs, grace_s)
+            stop_processes(procs, grace_s)
             if c in (143, -signal.SIGTERM) and all(p.returncode in (143, -15) for p in procs):
                 return 143  # preempted together: every process checkpointed
             return c if c > 0 else 128 - c
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.2)
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 # -- SLURM -------------------------------------------------------------------------
@@ -171,12 +159,8 @@ class TrainTask(submitit.helpers.Checkpointable):
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=GRACE_S * 2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc is not None:
+            stop_processes([proc], GRACE_S * 2)
         self._proc = None
         return submitit.helpers.DelayedSubmission(TrainTask(self.train_args))
 

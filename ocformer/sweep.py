@@ -7,7 +7,9 @@
 same sweep again skips finished points and resumes interrupted ones.
 
 Exit codes: 0 every point done, 1 some failed (listed), 2 an invalid sweep, point,
-field or work directory (reported before anything runs).
+field or work directory (reported before anything runs), 143 / 130 stopped by SIGTERM /
+SIGINT (the running points get SIGTERM, checkpoint and are recorded as interrupted;
+SIGKILL after 60 s; rerun the same command to resume).
 """
 
 import argparse
@@ -62,7 +64,7 @@ def _fail(code: int, message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
-    from .sweeping import SweepError, report, run_sweep
+    from .sweeping import SweepError, SweepInterrupted, report, run_sweep
 
     if args_list[:1] == ["report"]:
         if len(args_list) != 2:
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except SweepError as e:
         return _fail(2, str(e))
+    except SweepInterrupted as e:
+        return _fail(e.exit_code, str(e))
     except KeyboardInterrupt:
         return _fail(130, "interrupted; rerun the same command to resume")
 

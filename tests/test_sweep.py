@@ -780,6 +780,102 @@ def test_point_job_requeues_itself_with_the_same_point(tmp_path):
         worker.join(timeout=60)
 
 
+def test_stop_processes_sigkills_a_process_that_ignores_sigterm():
+    """The one supervision routine of the package: SIGTERM, a bounded grace, SIGKILL."""
+    import signal
+    import subprocess
+    import time
+
+    from ocformer.distributed import stop_processes
+
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ready', flush=True); time.sleep(120)"
+    )
+    stubborn = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline() == b"ready\n"
+        started = time.monotonic()
+        killed = stop_processes([stubborn, polite], grace_s=1.0)
+        waited = time.monotonic() - started
+        assert killed == [stubborn]
+        assert stubborn.returncode == -signal.SIGKILL and polite.returncode == -signal.SIGTERM
+        assert 1.0 <= waited < 10.0
+    finally:
+        for p in (stubborn, polite):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert stubborn.stdout is not None
+        stubborn.stdout.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_a_sweep_stops_its_point_and_records_it(tmp_path, compile_cache, signum):
+    """A real sweep process and its real training process: SIGTERM or SIGINT to the
+    sweep reaches the training process (it checkpoints and exits, nothing is left
+    running), the point is recorded as interrupted, and the sweep exits 128 + signal."""
+    import glob
+    import signal
+    import subprocess
+    import time
+
+    from ocformer.checkpointing import CheckpointManager
+
+    path = write_sweep(
+        tmp_path,
+        "long",
+        """
+        def get_sweep(arg=None):
+            return Sweep(
+                experiment=EXPERIMENT,
+                overrides={"train.steps": 100000, "train.eval_every": 100000,
+                           "train.checkpoint_every": 100000, "task.eval_batches": 1},
+                axes=[axis("model.num_layers", [1], name="layers")],
+            )
+        """,
+    )
+    out = tmp_path / "out"
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "ocformer.sweep", path, "--workdir", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        metrics: list[str] = []
+        while not metrics:  # the training process is past its first step
+            assert sweep.poll() is None, sweep.communicate()
+            assert time.monotonic() < deadline, "the point did not start training"
+            time.sleep(0.2)
+            metrics = glob.glob(str(out / "points" / "*" / "run" / "metrics.jsonl"))
+            if metrics and os.path.getsize(metrics[0]) == 0:
+                metrics = []
+        point = os.path.dirname(os.path.dirname(metrics[0]))
+        child = read_status(point)["process"]
+        os.kill(sweep.pid, getattr(signal, signum))
+        _, err = sweep.communicate(timeout=300)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert sweep.returncode == 128 + getattr(signal, signum), err
+    assert f"stopped by {signum}" in err and "Rerun the same command" in err
+    # The training process is gone (its pid no longer exists), not orphaned.
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+    status = read_status(point)
+    assert status["status"] == "interrupted", status
+    assert status["exit_code"] == 143  # it checkpointed on the forwarded SIGTERM
+    assert f"stopped by {signum}" in status["error"] and "killed" not in status["error"]
+    steps = CheckpointManager(os.path.join(point, "run", "checkpoints")).steps()
+    assert len(steps) == 1 and steps[0] >= 1
+
+
 def test_progress_line_counts_and_eta():
     import threading
     import time

@@ -14,3 +14,4 @@ from ._process import (
     initialize as initialize,
     process_settings as process_settings,
 )
+from ._processes import stop_processes as stop_processes

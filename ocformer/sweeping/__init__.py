@@ -10,7 +10,11 @@ from ._points import (
     resolve_points as resolve_points,
 )
 from ._results import METRICS as METRICS, plain_log_xaxis as plain_log_xaxis, report as report
-from ._run import run_local as run_local, run_point as run_point
+from ._run import (
+    SweepInterrupted as SweepInterrupted,
+    run_local as run_local,
+    run_point as run_point,
+)
 from ._slurm import (
     PointJob as PointJob,
     SlurmOptions as SlurmOptions,

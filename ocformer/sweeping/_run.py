@@ -28,10 +28,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from ..checkpointing import atomic_write_text
+from ..distributed import stop_processes
 from ._spec import SweepError
 
 STATUS_FILE = "sweep_point.json"
@@ -46,6 +48,25 @@ _LOG_NOISE = ("Finished ", "Compiling ", "Persistent compilation cache", "Not wr
 # Processes started by this sweep, so that an interrupted sweep can stop them cleanly.
 _children: set[subprocess.Popen] = set()
 _children_lock = threading.Lock()
+# The signal that is stopping this sweep (None while it runs): no point starts after
+# it, and the points it cut short are recorded as interrupted.
+_stopping: dict[str, int | None] = {"signal": None}
+# Seconds a point's processes get to checkpoint and exit once the sweep stops, before
+# SIGKILL.
+STOP_GRACE_S = 60.0
+
+
+class SweepInterrupted(Exception):
+    """The sweep was stopped by a signal (SIGTERM or SIGINT) after its running points
+    were stopped and recorded as interrupted; the command exits with 128 + signal."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}; the running points checkpointed and "
+            "were recorded as interrupted. Rerun the same command to resume them"
+        )
 
 
 def point_dir(sweep_dir: str, name: str) -> str:
@@ -104,8 +125,15 @@ def child_env(sweep_dir: str) -> dict:
     return env
 
 
-def _run_logged(command: list[str], log_path: str, env: dict) -> dict:
-    """Run ``command`` with its output appended to ``log_path``.
+def _run_logged(
+    command: list[str],
+    log_path: str,
+    env: dict,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
+) -> dict:
+    """Run ``command`` with its output appended to ``log_path`` (``on_start`` is called
+    with the process once it runs). A process started after the sweep was told to stop
+    is stopped at once.
 
     Returns:
         ``exit_code`` (negative: killed by that signal), ``wall_time_s``,
@@ -120,7 +148,11 @@ def _run_logged(command: list[str], log_path: str, env: dict) -> dict:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         with _children_lock:
             _children.add(proc)
+            if _stopping["signal"] is not None:
+                os.kill(proc.pid, signal.SIGTERM)
         try:
+            if on_start is not None:
+                on_start(proc)
             # wait4 gives this child's own resource usage (peak RSS), unlike
             # getrusage(RUSAGE_CHILDREN), which is the maximum over all children.
             _, status, usage = os.wait4(proc.pid, 0)
@@ -185,7 +217,11 @@ def run_point(sweep_dir: str, point: dict) -> dict:
         ]
         for s in point["sets"]:
             command += ["--set", s]
-        result = _run_logged(command, os.path.join(path, "train.log"), env)
+
+        def started(proc: subprocess.Popen) -> None:
+            _write_status(path, {**status, "process": proc.pid})
+
+        result = _run_logged(command, os.path.join(path, "train.log"), env, started)
         # Times accumulate over attempts (an interrupted point resumes); peak RSS is
         # the largest of them.
         for key in ("wall_time_s", "compile_time_s", "cache_hits"):
@@ -193,8 +229,18 @@ def run_point(sweep_dir: str, point: dict) -> dict:
         result["peak_rss_mb"] = max(result["peak_rss_mb"], previous.get("peak_rss_mb") or 0)
         status.update(result)
         code = result["exit_code"]
+        stopped_by = _stopping["signal"]
         # 143: ocformer.train was preempted (SIGTERM) after writing a checkpoint.
         status["status"] = "done" if code == 0 else "interrupted" if code == 143 else "failed"
+        if code != 0 and stopped_by is not None:
+            # Whatever the process made of it (checkpointed and exited 143, was cut
+            # short by the terminal's SIGINT, or was SIGKILLed after the grace period),
+            # the sweep stopped it.
+            status["status"] = "interrupted"
+            status["error"] = (
+                f"the sweep was stopped by {signal.Signals(stopped_by).name}; rerun the "
+                "sweep to resume this point"
+            )
         status["command"] = command
         _write_status(path, status)
         if status["status"] != "done":
@@ -202,7 +248,7 @@ def run_point(sweep_dir: str, point: dict) -> dict:
     evaluations = [{"name": TRAINED, "sets": []}, *point["evaluations"]]
     for e in evaluations:
         out = evaluation_file(path, e["name"])
-        if os.path.isfile(out):
+        if os.path.isfile(out) or _stopping["signal"] is not None:
             continue
         command = [
             sys.executable,
@@ -215,6 +261,8 @@ def run_point(sweep_dir: str, point: dict) -> dict:
         for s in e["sets"]:
             command += ["--set", s]
         result = _run_logged(command, os.path.join(path, "evaluate.log"), env)
+        if result["exit_code"] != 0 and _stopping["signal"] is not None:
+            continue  # stopped, not failed: it runs again when the sweep is resumed
         if result["exit_code"] != 0:
             failures = status.setdefault("evaluation_failures", {})
             failures[e["name"]] = {"exit_code": result["exit_code"], "error": result["error"]}
@@ -300,20 +348,41 @@ class Progress:
         self.show()
 
 
-def stop_children(grace_s: float = 60.0) -> None:
+def stop_children(grace_s: float | None = None) -> None:
     """SIGTERM every running point process (training checkpoints and exits), then
-    SIGKILL whatever is left after ``grace_s``."""
-    with _children_lock:
-        procs = list(_children)
-    for p in procs:
-        if p.returncode is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        while p.returncode is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if p.returncode is None:
-            p.kill()
+    SIGKILL whatever is left after ``grace_s``; processes that start meanwhile are
+    stopped too once ``_stopping`` is set."""
+    grace_s = STOP_GRACE_S if grace_s is None else grace_s
+    stopped: set[subprocess.Popen] = set()
+    while True:
+        with _children_lock:
+            procs = [p for p in _children if p not in stopped]
+        if not procs:
+            return
+        stop_processes(procs, grace_s, running=lambda p: p.returncode is None)
+        stopped.update(procs)
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """While running points: SIGTERM and SIGINT set ``_stopping`` (the main loop then
+    stops the points) instead of ending this process and orphaning them. Only the main
+    thread can install handlers; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum, frame):
+        del frame
+        if _stopping["signal"] is None:
+            _stopping["signal"] = signum
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def run_local(
@@ -325,10 +394,16 @@ def run_local(
 ) -> list[dict]:
     """Run the unfinished ``points`` with ``parallel`` local workers.
 
-    A failing point is recorded (exit code, error line) and the others go on.
+    A failing point is recorded (exit code, error line) and the others go on. On
+    SIGTERM or SIGINT the running points' processes get SIGTERM (training checkpoints
+    and exits), SIGKILL after ``STOP_GRACE_S``; the points are recorded as interrupted
+    and no other point starts.
 
     Returns:
         The status of every point run now (finished points are skipped).
+
+    Raises:
+        SweepInterrupted: the sweep was stopped by a signal (its points are stopped).
     """
     if parallel < 1:
         raise SweepError("--parallel", f"must be >= 1, got {parallel}")
@@ -342,6 +417,8 @@ def run_local(
     results: list[dict] = []
 
     def work(point: dict) -> dict:
+        if _stopping["signal"] is not None:
+            return {"name": point["name"], "status": "not started"}
         progress.start()
         t = time.perf_counter()
         status = run_point(sweep_dir, point)
@@ -351,18 +428,29 @@ def run_local(
         return status
 
     pool = ThreadPoolExecutor(max_workers=parallel)
-    futures = [pool.submit(work, p) for p in todo]
-    try:
-        while not all(f.done() for f in futures):
-            time.sleep(0.5)
-            progress.show()
+    _stopping["signal"] = None
+    with _stop_on_signals():
+        futures = [pool.submit(work, p) for p in todo]
+        try:
+            while not all(f.done() for f in futures) and _stopping["signal"] is None:
+                time.sleep(0.1)
+                progress.show()
+        except KeyboardInterrupt:  # handlers could not be installed (not the main thread)
+            _stopping["signal"] = signal.SIGINT
+        signum = _stopping["signal"]
+        if signum is not None:
+            for f in futures:
+                f.cancel()
+            print(
+                f"sweep: {signal.Signals(signum).name} received; stopping the running points "
+                f"(SIGTERM, SIGKILL after {STOP_GRACE_S:.0f}s)",
+                file=stream,
+                flush=True,
+            )
+            stop_children()
+            pool.shutdown(wait=True)
+            raise SweepInterrupted(signum)
         results = [f.result() for f in futures]
-    except KeyboardInterrupt:
-        for f in futures:
-            f.cancel()
-        stop_children()
-        pool.shutdown(wait=True)
-        raise
     pool.shutdown(wait=True)
     progress.show(force=True)
     return results

@@ -11,16 +11,14 @@ import dataclasses
 import os
 import shlex
 import shutil
-import signal
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import submitit
 
 from .._compat import make_sbatch_string
-from ._run import _children, _children_lock, run_point
+from ._run import run_point, stop_children
 from ._spec import SweepError
 
 SLURM_OPTIONS: tuple[str, ...] = (
@@ -103,14 +101,7 @@ class PointJob(submitit.helpers.Checkpointable):
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         # Let the training process checkpoint before the task is requeued; the new task
         # resumes from that checkpoint.
-        with _children_lock:
-            procs = list(_children)
-        for p in procs:
-            if p.returncode is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while any(p.returncode is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        stop_children()
         return super().checkpoint(*args, **kwargs)
 
 
