@@ -161,7 +161,7 @@ class TaskConfig:
     name: str = _field(
         "copy",
         "task (ocformer.tasks.TASKS)",
-        choices=("shakespeare_char", "stdlib_char", "digits", "copy", "sort"),
+        choices=("shakespeare_char", "stdlib_char", "digits", "copy", "sort", "tokens"),
     )
     seq_len: int = _field(16, "tokens the transformer sees (language and sequence tasks)", ge=1)
     vocab_size: int = _field(8, "symbols of the synthetic tasks (copy, sort)", ge=2)
@@ -169,6 +169,11 @@ class TaskConfig:
     data_dir: str | None = _field(None, "directory holding the prepared corpus (default .data)")
     fallback: str | None = _field(
         None, "corpus used if Shakespeare is missing", choices=(None, "stdlib")
+    )
+    path: str | None = _field(
+        None,
+        "dataset directory of task tokens (python -m ocformer.tasks.prepare text); the "
+        "vocabulary size is its manifest's",
     )
     batch_size: int = _field(16, "training batch size", ge=1)
     eval_batch_size: int = _field(32, "validation batch size", ge=1)

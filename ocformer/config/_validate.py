@@ -203,6 +203,13 @@ def _check_combinations(c: Config) -> None:
     _check_mesh(c)
     _check_precision(c)
     _check_profile(c)
+    if c.task.name == "tokens" and not c.task.path:
+        raise ConfigError(
+            "task.path",
+            "task.name=tokens reads a dataset directory: set task.path=DIR, a directory "
+            "written by `python -m ocformer.tasks.prepare text --input FILE --tokenizer "
+            "char --out DIR`",
+        )
     if m.attention == "conv" and m.conv_kernel % 2 == 0:
         raise ConfigError(
             "model.conv_kernel",

@@ -5,7 +5,15 @@ from ._corpus import (
     SHAKESPEARE_SHA256 as SHAKESPEARE_SHA256,
     default_data_dir as default_data_dir,
 )
+from ._dataset import (
+    CorpusError as CorpusError,
+    DatasetError as DatasetError,
+    open_dataset as open_dataset,
+    prepare_text as prepare_text,
+    verify_dataset as verify_dataset,
+)
 from ._digits import Digits as Digits
 from ._registry import TASKS as TASKS, make_task as make_task
 from ._synthetic import CopyTask as CopyTask, SortTask as SortTask
 from ._text import PythonStdlibChar as PythonStdlibChar, ShakespeareChar as ShakespeareChar
+from ._tokens import Tokens as Tokens

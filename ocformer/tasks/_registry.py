@@ -6,6 +6,7 @@ from ._base import AbstractTask
 from ._digits import Digits
 from ._synthetic import CopyTask, SortTask
 from ._text import PythonStdlibChar, ShakespeareChar
+from ._tokens import Tokens
 
 TASKS: dict[str, Callable[..., AbstractTask]] = {
     "shakespeare_char": ShakespeareChar,
@@ -13,6 +14,7 @@ TASKS: dict[str, Callable[..., AbstractTask]] = {
     "digits": Digits,
     "copy": CopyTask,
     "sort": SortTask,
+    "tokens": Tokens,
 }
 
 

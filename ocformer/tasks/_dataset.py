@@ -1,0 +1,551 @@
+"""A prepared corpus: token ids on disk, its tokenizer and a manifest.
+
+``python -m ocformer.tasks.prepare text --input FILES --tokenizer T --out DIR`` writes::
+
+    DIR/train.bin       training ids, raw little-endian uint16 (uint32 when the
+    DIR/val.bin         vocabulary exceeds 65536), no header: nanoGPT's layout,
+                        np.fromfile(path, dtype) or np.memmap reads it
+    DIR/tokenizer.json  the tokenizer (tokenizers library format)
+    DIR/manifest.json   sources and their SHA-256, split rule, dtype, vocabulary size,
+                        tokenizer identity, token counts and SHA-256 of each .bin
+
+Preparation streams: the files are read in chunks of ``chunk_bytes``, each chunk is
+encoded on its own and its ids appended to the split's file, so memory is bounded by
+the chunk (and, for BPE training, by the table of distinct words). A chunk ends just
+before a space or newline that follows a printable ASCII character: every pre-tokenizer
+of the ``char`` and ``bpe`` tokenizers (and of GPT-2-style byte-level ones) splits
+there anyway, so the ids do not depend on the chunk size. A run of more than
+``MAX_CHUNKS`` chunks without such a place is cut at a character boundary instead.
+Files are read in the order given and their ids concatenated; each file is encoded on
+its own.
+
+The validation split (``val.bin``) is the end of the corpus: it starts at the first
+chunk boundary at or after ``1 - VALIDATION_FRACTION`` of the corpus's bytes (or at the
+start of the first file beginning there).
+
+The directory appears whole: it is built in a temporary sibling and renamed into place.
+An existing ``DIR`` is replaced only if it is empty or was written by this function.
+"""
+
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from typing import BinaryIO
+
+import numpy as np
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+
+from ._base import DataNotFoundError
+from ._tokenizer import (
+    TOKENIZER_FILE,
+    TokenizerSpec,
+    bpe_tokenizer,
+    char_table,
+    char_tokenizer,
+    encode,
+    load_tokenizer,
+)
+
+FORMAT = "ocformer-tokens"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+SPLIT_FILES = {"train": "train.bin", "validation": "val.bin"}
+VALIDATION_FRACTION = 0.1
+CHUNK_BYTES = 1 << 20
+MAX_CHUNKS = 8
+# Open checks the full SHA-256 and id range of .bin files up to this total size (well
+# under a second); larger datasets get the size check on open, the range check on each
+# window read, and the full check from `prepare verify`.
+FULL_CHECK_BYTES = 64 << 20
+_CUT = re.compile(rb"[\x21-\x7e](?=[ \n])")
+
+
+class CorpusError(ValueError):
+    """Input that cannot be prepared: missing, empty or non-UTF-8 files, a refused
+    ``--out``. The message names the file."""
+
+
+class DatasetError(ValueError):
+    """A dataset directory that is not one, or is corrupted. The message names the file."""
+
+
+def sha256_file(path: pathlib.Path, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32 (little-endian either way)."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
+    """The files of ``patterns`` (paths or globs, each glob's matches sorted), in order.
+
+    Raises:
+        CorpusError: a pattern matching nothing, a path that is not a file, an empty file.
+    """
+    if not patterns:
+        raise CorpusError("--input: give at least one text file or glob")
+    files: list[pathlib.Path] = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(glob.glob(pattern, recursive=True))
+            if not matches:
+                raise CorpusError(f"--input {pattern!r} matches no file")
+        else:
+            matches = [pattern]
+        for match in matches:
+            path = pathlib.Path(match)
+            if not path.exists():
+                raise CorpusError(f"--input {path}: no such file")
+            if not path.is_file():
+                raise CorpusError(f"--input {path}: not a regular file")
+            if path.stat().st_size == 0:
+                raise CorpusError(f"--input {path}: the file is empty; remove it from --input")
+            files.append(path)
+    return files
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A chunk of one file: its split, bytes and byte offset in that file."""
+
+    split: str
+    data: bytes
+    file: pathlib.Path
+    offset: int
+
+    def text(self) -> str:
+        try:
+            return self.data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorpusError(
+                f"{self.file}: not UTF-8 at byte offset {self.offset + e.start} "
+                f"({e.reason}); convert the file to UTF-8 (e.g. iconv -t UTF-8)"
+            ) from None
+
+
+def _last_cut(buf: bytes, end: int) -> int:
+    """The largest chunk boundary ``0 < i < end`` of ``buf``, else 0."""
+    width = 4096
+    while True:
+        lo = max(0, end - width)
+        # endpos=end hides buf[end:] from the look-ahead too, so every boundary is < end.
+        found = [m.start() + 1 for m in _CUT.finditer(buf, lo, end)]
+        if found:
+            return found[-1]
+        if lo == 0:
+            return 0
+        width *= 4
+
+
+def _first_cut(buf: bytes, start: int) -> int | None:
+    """The smallest chunk boundary ``i >= start`` of ``buf``, else None."""
+    m = _CUT.search(buf, max(start - 1, 0))
+    return None if m is None else m.start() + 1
+
+
+def _char_boundary(buf: bytes, at: int) -> int:
+    """The first UTF-8 character boundary at or after ``at`` (for a forced cut)."""
+    while at < len(buf) and (buf[at] & 0xC0) == 0x80:
+        at += 1
+    return at
+
+
+def stream_pieces(
+    files: Sequence[pathlib.Path],
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: Callable[[int], object] = lambda n: None,
+) -> Iterator[Piece]:
+    """The corpus as chunks, each tagged with its split (see the module docstring)."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}.")
+    total = sum(f.stat().st_size for f in files)
+    split_byte = math.ceil(total * (1.0 - VALIDATION_FRACTION))
+    split, start = "train", 0  # start: corpus offset of the current file
+    for file in files:
+        buf, off, eof, want = b"", 0, False, chunk_bytes
+        with open(file, "rb") as fh:
+            while buf or not eof:
+                if not eof and len(buf) < want:
+                    block = fh.read(want - len(buf))
+                    eof = not block
+                    buf += block
+                    progress(len(block))
+                    continue
+                end = len(buf)
+                if split == "train":
+                    rel = split_byte - (start + off)
+                    if rel <= 0 and off == 0:
+                        split = "validation"  # this file starts at or past the split
+                        continue
+                    if rel <= len(buf):
+                        cut = _first_cut(buf, rel)
+                        if cut is None and len(buf) >= MAX_CHUNKS * chunk_bytes:
+                            cut = _char_boundary(buf, rel)
+                        if cut is not None:
+                            yield Piece("train", buf[:cut], file, off)
+                            buf, off, split, want = buf[cut:], off + cut, "validation", chunk_bytes
+                            continue
+                        end = rel  # no training chunk may pass the split byte
+                if eof:
+                    yield Piece(split, buf, file, off)
+                    break
+                cut = _last_cut(buf, end)
+                if not cut and len(buf) >= MAX_CHUNKS * chunk_bytes:
+                    cut = _char_boundary(buf, end // 2)
+                if not cut:
+                    want = len(buf) + chunk_bytes  # read on until a boundary comes
+                    continue
+                yield Piece(split, buf[:cut], file, off)
+                buf, off, want = buf[cut:], off + cut, chunk_bytes
+        start += file.stat().st_size
+
+
+class _Writer:
+    """Appends ids to one split's .bin file, hashing and counting as it goes."""
+
+    def __init__(self, file: BinaryIO, dtype: np.dtype):
+        self.file, self.dtype = file, dtype
+        self.hash = hashlib.sha256()
+        self.tokens = 0
+        self.max_id = -1
+
+    def write(self, ids: np.ndarray) -> None:
+        if not ids.size:
+            return
+        data = ids.astype(self.dtype).tobytes()
+        self.file.write(data)
+        self.hash.update(data)
+        self.tokens += int(ids.size)
+        self.max_id = max(self.max_id, int(ids.max()))
+
+    def finish(self) -> dict:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        return {
+            "file": pathlib.Path(self.file.name).name,
+            "tokens": self.tokens,
+            "bytes": self.tokens * self.dtype.itemsize,
+            "sha256": self.hash.hexdigest(),
+            "max_id": self.max_id,
+        }
+
+
+def check_out(out: pathlib.Path) -> None:
+    """Refuse an ``--out`` that exists and is not empty and not a dataset of ours."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise CorpusError(f"--out {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()) and _read_format(out) != FORMAT:
+        names = sorted(p.name for p in out.iterdir())[:5]
+        raise CorpusError(
+            f"--out {out} is a non-empty directory not written by ocformer (it holds "
+            f"{', '.join(names)}, and no {MANIFEST_FILE} of format {FORMAT!r}); choose an "
+            "empty or new directory"
+        )
+    if not out.parent.is_dir():
+        raise CorpusError(f"--out {out}: the parent directory {out.parent} does not exist")
+
+
+def _read_format(out: pathlib.Path) -> str | None:
+    try:
+        return json.loads((out / MANIFEST_FILE).read_text(encoding="utf-8")).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def prepare_text(
+    inputs: Sequence[str],
+    tokenizer: str,
+    out: str | os.PathLike,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: bool = True,
+) -> dict:
+    """Tokenize text files into the dataset directory ``out``; returns its manifest.
+
+    Args:
+        inputs: text files or globs (UTF-8), read in this order.
+        tokenizer: ``"char"``, ``"bpe:N"`` or the path of a ``tokenizer.json`` (or of a
+            directory holding one).
+        out: the dataset directory (created, or replaced if it is ours).
+        chunk_bytes: bytes read and encoded at a time (memory bound, not the result).
+        progress: show tqdm bars (bytes read, tokens written) on stderr.
+
+    Raises:
+        CorpusError: missing, empty or non-UTF-8 input, or a refused ``out``.
+        TokenizerSpecError: a bad ``bpe:N`` or a path that is not a tokenizer.
+    """
+    spec = TokenizerSpec.parse(tokenizer)
+    files = expand_inputs(inputs)
+    out = pathlib.Path(out)
+    check_out(out)
+    total = sum(f.stat().st_size for f in files)
+
+    def bar(desc: str):
+        return tqdm(
+            total=total, unit="B", unit_scale=True, desc=desc, disable=not progress,
+            file=sys.stderr, dynamic_ncols=True,
+        )  # fmt: skip
+
+    def texts(desc: str) -> Iterator[str]:
+        with bar(desc) as b:
+            for piece in stream_pieces(files, chunk_bytes, b.update):
+                yield piece.text()
+
+    if spec.kind == "char":
+        symbols: set[str] = set()
+        for text in texts("characters"):
+            symbols.update(text)
+        tok = char_tokenizer(symbols)
+    elif spec.kind == "bpe":
+        assert spec.bpe_size is not None
+        tok = bpe_tokenizer(texts("bpe training"), spec.bpe_size)
+    else:
+        assert spec.file is not None
+        tok = load_tokenizer(spec.file)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    dtype = dtype_for(vocab_size)
+    table = char_table(tok) if spec.kind == "char" else None
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
+        tok_file = tmp / TOKENIZER_FILE
+        if spec.file is not None:
+            shutil.copyfile(spec.file, tok_file)  # byte for byte: its hash is the source's
+        else:
+            tok_file.write_text(tok.to_str(pretty=True), encoding="utf-8")
+        with contextlib.ExitStack() as stack:
+            writers = {
+                s: _Writer(stack.enter_context(open(tmp / name, "wb")), dtype)
+                for s, name in SPLIT_FILES.items()
+            }
+            sources = {f: hashlib.sha256() for f in files}
+            with bar("encoding") as b:
+                for piece in stream_pieces(files, chunk_bytes, b.update):
+                    sources[piece.file].update(piece.data)
+                    text = piece.text()
+                    if table is not None:
+                        codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+                        ids = table[codes]
+                    else:
+                        ids = encode(tok, text)
+                    writers[piece.split].write(ids)
+                    b.set_postfix(tokens=sum(w.tokens for w in writers.values()), refresh=False)
+            splits = {s: w.finish() for s, w in writers.items()}
+        for s, record in splits.items():
+            if not record["tokens"]:
+                raise CorpusError(
+                    f"--input: the corpus ({total} bytes) gives no {s} tokens: it is too "
+                    "short to split, or has no space or newline after 90% of its bytes; "
+                    "give more text"
+                )
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "sources": [
+                {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": h.hexdigest()}
+                for f, h in sources.items()
+            ],
+            "tokenizer": {
+                "kind": spec.kind,
+                "spec": tokenizer,
+                "file": TOKENIZER_FILE,
+                "sha256": sha256_file(tok_file),
+                "vocab_size": vocab_size,
+            },
+            "vocab_size": vocab_size,
+            "dtype": dtype.name,
+            "byte_order": "little",
+            "split_rule": (
+                f"validation = the corpus from the first chunk boundary (before a space or "
+                f"newline that follows a printable ASCII character, or a file start) at or "
+                f"after byte ceil({1 - VALIDATION_FRACTION:g} * total bytes); training = "
+                "the rest"
+            ),
+            "validation_fraction": VALIDATION_FRACTION,
+            "chunk_bytes": chunk_bytes,
+            "splits": splits,
+        }
+        _write_json(tmp / MANIFEST_FILE, manifest)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_json(path: pathlib.Path, data: dict) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, path)
+
+
+def _replace_dir(tmp: pathlib.Path, out: pathlib.Path) -> None:
+    """Move the finished ``tmp`` to ``out``; an old ``out`` (empty, or ours) goes whole."""
+    check_out(out)  # again: something may have appeared while the corpus was encoded
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.{os.getpid()}.old")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """An opened dataset directory: manifest, tokenizer and memory-mapped splits."""
+
+    path: pathlib.Path
+    manifest: dict
+    vocab_size: int
+    dtype: np.dtype
+    splits: dict  # split -> np.memmap of ids
+    tokenizer: Tokenizer
+
+    def file(self, split: str) -> pathlib.Path:
+        return self.path / SPLIT_FILES[split]
+
+
+def _manifest(path: pathlib.Path) -> dict:
+    if not path.exists():
+        raise DataNotFoundError(
+            f"task.path {path} does not exist. Prepare a dataset there with `python -m "
+            "ocformer.tasks.prepare text --input FILE --tokenizer char --out "
+            f"{path}`"
+        )
+    file = path / MANIFEST_FILE
+    if not path.is_dir() or not file.is_file():
+        raise DatasetError(
+            f"task.path {path} is not a dataset directory (no {MANIFEST_FILE}); give a "
+            "directory written by `python -m ocformer.tasks.prepare text`"
+        )
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
+        for key in ("vocab_size", "dtype", "splits", "tokenizer"):
+            manifest[key]  # noqa: B018 - presence check
+        for split in SPLIT_FILES:
+            int(manifest["splits"][split]["tokens"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DatasetError(
+            f"{file} is not a valid dataset manifest ({type(e).__name__}: {e}); prepare "
+            "the dataset again"
+        ) from None
+    return manifest
+
+
+def _check_files(path: pathlib.Path, manifest: dict):
+    """The tokenizer's SHA-256 and vocabulary size and each .bin file's size against the
+    manifest; returns the tokenizer."""
+    vocab_size = int(manifest["vocab_size"])
+    dtype = np.dtype(manifest["dtype"])
+    tok_file = path / TOKENIZER_FILE
+    if not tok_file.is_file() or sha256_file(tok_file) != manifest["tokenizer"]["sha256"]:
+        raise DatasetError(
+            f"{tok_file} is missing or does not match the SHA-256 in {path / MANIFEST_FILE}; "
+            "the dataset is corrupted: prepare it again"
+        )
+    tokenizer = load_tokenizer(tok_file)
+    if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise DatasetError(
+            f"{tok_file} has {tokenizer.get_vocab_size(with_added_tokens=True)} symbols, "
+            f"the manifest says vocab_size={vocab_size}; prepare the dataset again"
+        )
+    for split, name in SPLIT_FILES.items():
+        file, tokens = path / name, int(manifest["splits"][split]["tokens"])
+        expected = tokens * dtype.itemsize
+        actual = file.stat().st_size if file.is_file() else None
+        if actual != expected:
+            raise DatasetError(
+                f"{file} has {'no file' if actual is None else f'{actual} bytes'}, the "
+                f"manifest says {expected} bytes ({tokens} {dtype.name} ids): the file is "
+                "truncated or corrupted; prepare the dataset again"
+            )
+    return tokenizer
+
+
+def _check_contents(path: pathlib.Path, manifest: dict) -> None:
+    """Every .bin file's SHA-256 against the manifest and every id below the vocabulary
+    size, streamed."""
+    vocab_size = int(manifest["vocab_size"])
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    for split, name in SPLIT_FILES.items():
+        file, record = path / name, manifest["splits"][split]
+        h, offset = hashlib.sha256(), 0
+        with open(file, "rb") as f:
+            while block := f.read(1 << 22):  # a multiple of every itemsize
+                h.update(block)
+                ids = np.frombuffer(block, dtype)
+                if ids.size and int(ids.max()) >= vocab_size:
+                    at = int(np.argmax(ids >= vocab_size))
+                    raise DatasetError(
+                        f"{file}: token {offset + at} is id {int(ids[at])}, not below the "
+                        f"vocabulary size {vocab_size}: the file is corrupted; prepare the "
+                        "dataset again"
+                    )
+                offset += ids.size
+        if h.hexdigest() != record["sha256"]:
+            raise DatasetError(
+                f"{file} has SHA-256 {h.hexdigest()}, the manifest says {record['sha256']}: "
+                "the file is corrupted; prepare the dataset again"
+            )
+
+
+def open_dataset(path: str | os.PathLike) -> Dataset:
+    """Open a dataset directory, checking it against its manifest.
+
+    Always checked: the manifest, the tokenizer's SHA-256 and vocabulary size, and the
+    size of each .bin file (a truncated or extended file). When the .bin files total at
+    most ``FULL_CHECK_BYTES``, also their SHA-256 and that every id is below the
+    vocabulary size; larger ones get that from ``verify_dataset`` (``prepare verify DIR``),
+    and the task checks the ids of every window it reads.
+
+    Raises:
+        DataNotFoundError: ``path`` does not exist.
+        DatasetError: not a dataset directory, or a file that does not match the manifest.
+    """
+    path = pathlib.Path(path)
+    manifest = _manifest(path)
+    tokenizer = _check_files(path, manifest)
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    if sum(int(r["tokens"]) for r in manifest["splits"].values()) * dtype.itemsize <= (
+        FULL_CHECK_BYTES
+    ):
+        _check_contents(path, manifest)
+    splits = {s: np.memmap(path / n, dtype=dtype, mode="r") for s, n in SPLIT_FILES.items()}
+    return Dataset(path, manifest, int(manifest["vocab_size"]), dtype, splits, tokenizer)
+
+
+def verify_dataset(path: str | os.PathLike) -> dict:
+    """The full check of a dataset directory: ``open_dataset``'s checks, plus the SHA-256
+    of each .bin file and the range of every id, whatever the size. Returns the manifest.
+
+    Raises:
+        DataNotFoundError, DatasetError: as ``open_dataset``.
+    """
+    path = pathlib.Path(path)
+    manifest = _manifest(path)
+    _check_files(path, manifest)
+    _check_contents(path, manifest)
+    return manifest

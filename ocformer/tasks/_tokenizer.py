@@ -1,0 +1,125 @@
+"""The three tokenizers of a prepared corpus, all held as a ``tokenizers.Tokenizer``.
+
+- ``char``: one symbol per character of the corpus, ids in code-point order (as the
+  built-in character tasks). Stored as a standard ``tokenizer.json`` (a word-level model
+  over single characters, a pre-tokenizer that isolates every character and a decoder
+  that joins them), so any ``tokenizers`` user can load it.
+- ``bpe:N``: a byte-level BPE of N symbols (256 bytes plus merges) trained on the corpus.
+  Every text encodes, and decoding gives the text back exactly.
+- a path to a ``tokenizer.json`` file, or to a directory holding one (a Hugging Face
+  checkpoint directory): used as it is, copied byte for byte into the dataset.
+"""
+
+import dataclasses
+import pathlib
+from collections.abc import Iterable
+from typing import Literal
+
+import numpy as np
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+TOKENIZER_FILE = "tokenizer.json"
+TokenizerKind = Literal["char", "bpe", "file"]
+BPE_MIN = 256  # the byte alphabet: a BPE of 256 symbols has no merges
+BPE_MAX = 1 << 24
+
+
+class TokenizerSpecError(ValueError):
+    """A ``--tokenizer`` argument that names no usable tokenizer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerSpec:
+    """What ``--tokenizer`` asked for: ``kind``, the BPE size or the tokenizer file."""
+
+    kind: TokenizerKind
+    bpe_size: int | None = None
+    file: pathlib.Path | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "TokenizerSpec":
+        """``char``, ``bpe:N`` or a path to a tokenizer.json (or a directory holding one).
+
+        Raises:
+            TokenizerSpecError: a bad N, or a path that is not a tokenizer.
+        """
+        if text == "char":
+            return cls("char")
+        if text.startswith("bpe:"):
+            n = text[4:]
+            if not (n.isdigit() and BPE_MIN <= int(n) <= BPE_MAX):
+                raise TokenizerSpecError(
+                    f"--tokenizer {text!r}: N must be an integer between {BPE_MIN} (the "
+                    f"byte alphabet, no merges) and {BPE_MAX}, e.g. bpe:4096"
+                )
+            return cls("bpe", bpe_size=int(n))
+        path = pathlib.Path(text)
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            what = (
+                f"directory {path} holds no {TOKENIZER_FILE}"
+                if path.is_dir()
+                else (f"{path} does not exist")
+            )
+            raise TokenizerSpecError(
+                f"--tokenizer {text!r}: {what}; give char, bpe:N or the path of a "
+                f"{TOKENIZER_FILE} (or of a directory holding one)"
+            )
+        load_tokenizer(file, what="--tokenizer")
+        return cls("file", file=file)
+
+
+def load_tokenizer(file: pathlib.Path, what: str = "tokenizer") -> Tokenizer:
+    """``Tokenizer.from_file(file)``, with an error naming the file when it is not one."""
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TokenizerSpecError(
+            f"{what} {file} is not a tokenizer.json that the tokenizers library can load "
+            f"({first}); give char, bpe:N or a tokenizer saved by tokenizers/transformers"
+        ) from None
+
+
+def char_tokenizer(symbols: Iterable[str]) -> Tokenizer:
+    """A tokenizer with one id per character of ``symbols``, in code-point order."""
+    vocab = {c: i for i, c in enumerate(sorted(set(symbols)))}
+    if not vocab:
+        raise ValueError("A character tokenizer needs at least one character.")
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    # [\s\S] matches any one character, newlines included: every character is a piece.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def char_table(tokenizer: Tokenizer) -> np.ndarray:
+    """Code point -> id (-1 where absent) of a ``char_tokenizer``: the fast encoder of
+    ``prepare`` (a table look-up instead of one pre-tokenizer piece per character)."""
+    vocab = tokenizer.get_vocab()
+    codes = np.array([ord(c) for c in vocab], dtype=np.int64)
+    table = np.full(int(codes.max()) + 1, -1, dtype=np.int64)
+    table[codes] = np.array(list(vocab.values()), dtype=np.int64)
+    return table
+
+
+def bpe_tokenizer(texts: Iterable[str], size: int) -> Tokenizer:
+    """A byte-level BPE of ``size`` symbols trained on ``texts`` (streamed: the trainer
+    keeps word counts, not the texts). A corpus with fewer distinct pairs than merges
+    asked for gives fewer symbols; the manifest records the real vocabulary size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """The ids (int64) of ``text``, without special tokens (a corpus is raw text)."""
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
