@@ -5,11 +5,18 @@ from ._constraints import (
     project_frobenius as project_frobenius,
     project_spectral as project_spectral,
 )
-from ._objective import Objective as Objective, cross_entropy as cross_entropy
+from ._objective import (
+    PRECISIONS as PRECISIONS,
+    MixedPrecision as MixedPrecision,
+    Objective as Objective,
+    cross_entropy as cross_entropy,
+    in_precision as in_precision,
+)
 from ._running import (
     control_size as control_size,
     control_smoothness as control_smoothness,
     grid_saveat as grid_saveat,
     kinetic_energy as kinetic_energy,
     kinetic_energy_of_states as kinetic_energy_of_states,
+    time_dtype as time_dtype,
 )

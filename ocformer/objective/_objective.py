@@ -8,7 +8,13 @@ from jaxtyping import Array, Bool, Float, Int
 from ..integration import time_grid
 from ..models._sequence import SequenceModel
 from ..models._transformer import ContinuousTransformer
-from ._running import control_size, control_smoothness, grid_saveat, kinetic_energy_of_states
+from ._running import (
+    control_size,
+    control_smoothness,
+    grid_saveat,
+    kinetic_energy_of_states,
+    time_dtype,
+)
 
 
 def cross_entropy(
@@ -35,6 +41,59 @@ def cross_entropy(
     loss = -jnp.sum(picked * weight) / count
     hits = (jnp.argmax(logits, axis=-1) == safe).astype(logp.dtype)
     return loss, jnp.sum(hits * weight) / count
+
+
+PRECISIONS: tuple[str, ...] = ("float32", "bfloat16", "float64")
+
+
+def in_precision(model, dtype):
+    """``model`` with its floating arrays in ``dtype`` (integer arrays and static parts
+    unchanged). Inside a differentiated function the cast is part of the graph, so the
+    gradients arrive in the dtype of the arrays that were cast."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        if eqx.is_inexact_array(x) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, model)
+
+
+class MixedPrecision(eqx.Module):
+    r"""The precision policy of a run: ``objective`` evaluated in ``compute`` dtype.
+
+    The model's floating arrays (the master parameters, float32 or float64) are cast to
+    ``compute`` at the start of the loss, so that the forward solve, attention and
+    feed-forward products run in it, while the gradients flow back through the cast to
+    the masters: parameters, gradients, optimiser state and checkpoints keep the
+    masters' dtype. What half precision would spoil stays in float32 (as flax does):
+    layer-norm means and variances (``ocformer.operators.normalise``), the attention
+    softmax, the cross-entropy and its log-softmax (``cross_entropy``), and times (the
+    time grid and the controls' layer index, ``time_dtype``). The loss and the metrics
+    are returned in float32 or wider.
+
+    Args:
+        objective: the ``Objective`` (or any ``(model, batch) -> (loss, metrics)``).
+        compute: ``"float32"``, ``"bfloat16"`` or ``"float64"``.
+    """
+
+    objective: eqx.Module
+    compute: str = eqx.field(static=True)
+
+    def __check_init__(self):
+        if self.compute not in PRECISIONS:
+            raise ValueError(
+                f"MixedPrecision.compute must be one of {PRECISIONS}, got {self.compute!r}."
+            )
+
+    def __call__(self, model, batch: dict) -> tuple[Float[Array, ""], dict]:
+        loss, metrics = self.objective(in_precision(model, self.compute), batch)
+
+        def wide(x):
+            return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+        return wide(loss), {k: wide(v) for k, v in metrics.items()}
 
 
 class Objective(eqx.Module):
@@ -112,7 +171,7 @@ def _forward(
     ``with_kinetic``, the kinetic energy of the same trajectory: one solve."""
     if not with_kinetic:
         return transformer(u0, key_mask), None
-    ts, _ = time_grid(transformer.control, transformer.steps_per_layer, u0.dtype)
+    ts, _ = time_grid(transformer.control, transformer.steps_per_layer, time_dtype(u0.dtype))
     ys = transformer.solve(u0, key_mask, saveat=grid_saveat(ts)).ys
     assert ys is not None
     kinetic = kinetic_energy_of_states(ts, ys, transformer.attention.grid.h_y, key_mask)

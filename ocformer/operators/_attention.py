@@ -154,6 +154,9 @@ class Attention(eqx.Module):
         if key_mask is not None:
             km = jnp.broadcast_to(key_mask[..., None, None, :], s.shape)
             keep = km if keep is None else jnp.logical_and(keep, km)
+        # The softmax in float32 or wider: half-precision scores would round the
+        # normaliser (jax.nn.dot_product_attention does the same on the fused path).
+        s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
         if keep is not None:
             s = jnp.where(keep, s, jnp.finfo(s.dtype).min)
         s = s - jnp.max(s, axis=-1, keepdims=True)
@@ -162,9 +165,9 @@ class Attention(eqx.Module):
         # quadrature of the outer x'-integral, but is kept so that the discretisation
         # is the literal one (and its invariance is testable).
         if h_x != 1.0:
-            gamma = e / (h_x * jnp.sum(e, axis=-1, keepdims=True))
+            gamma = (e / (h_x * jnp.sum(e, axis=-1, keepdims=True))).astype(v.dtype)
             z = h_x * jnp.einsum("...qk,...kc->...qc", gamma, v)
         else:
-            gamma = e / jnp.sum(e, axis=-1, keepdims=True)
+            gamma = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(v.dtype)
             z = jnp.einsum("...qk,...kc->...qc", gamma, v)
         return jnp.swapaxes(z, -2, -3).reshape(*batch, n, d)

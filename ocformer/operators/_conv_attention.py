@@ -121,6 +121,7 @@ class ConvAttention(eqx.Module):
         v = project(p.kv, p.wv, p.bv)
         scale = h_y / math.sqrt(dh * h_y)
         s = jnp.einsum("...qc,...kc->...qk", q * scale, k)
+        s = s.astype(jnp.promote_types(s.dtype, jnp.float32))  # the softmax in >= float32
         if key_mask is not None:
             if key_mask.shape != (*batch, n):
                 raise ValueError(f"key_mask has shape {key_mask.shape}, expected {(*batch, n)}.")
@@ -130,7 +131,7 @@ class ConvAttention(eqx.Module):
         e = jnp.exp(s)
         # gamma normalised by the integral over Omega_x; h_x cancels against the outer
         # quadrature, as in Attention.
-        gamma = e / jnp.sum(e, axis=-1, keepdims=True)
+        gamma = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(v.dtype)
         z = jnp.einsum("...qk,...kc->...qc", gamma, v)
         z = jnp.swapaxes(z, -2, -3).reshape(*batch, n, d)
         if p.wo is not None:

@@ -15,7 +15,21 @@ def normalise(
 
     With ``eps = 0`` a token of zero variance has no nearest point in $S_1$; that is
     an error (raised at run time through ``eqx.error_if``), never a silent NaN.
+
+    The mean and variance are computed in float32 or wider (a bfloat16 mean of many
+    features loses most of its digits, as flax's LayerNorm avoids too); the result
+    is in the dtype of ``v``.
     """
+    return _normalise(v.astype(wide_dtype(v.dtype)), eps, check).astype(v.dtype)
+
+
+def wide_dtype(dtype) -> jnp.dtype:
+    """float32 for half-precision ``dtype``, ``dtype`` itself otherwise: where the
+    statistics of a mixed-precision model are computed."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _normalise(v, eps: float, check: bool):
     mean = jnp.mean(v, axis=-1, keepdims=True)
     centred = v - mean
     var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
@@ -65,5 +79,8 @@ class LayerNormProjection(eqx.Module):
         averaging step uses eps/4 (``eps_scale = 0.25``), because it sees (a + b)/2
         where a standard layer sees a + b, and var((a+b)/2) = var(a+b)/4.
         """
-        n = normalise(v, self.eps * eps_scale)
-        return n * constant_in_x(p.scale, n.ndim) + constant_in_x(p.bias, n.ndim)
+        # Normalised and scaled in float32 or wider, rounded to v's dtype once.
+        wide = wide_dtype(v.dtype)
+        n = _normalise(v.astype(wide), self.eps * eps_scale, True)
+        scale, bias = (constant_in_x(x, n.ndim).astype(wide) for x in (p.scale, p.bias))
+        return (n * scale + bias).astype(v.dtype)

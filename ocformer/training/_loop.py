@@ -11,12 +11,24 @@ same loop runs with the batch split over ``data`` and the controls over ``model`
 a run of several processes every process runs it: each transfers only its own rows of
 batch $n$ to its devices, process 0 alone writes logs and samples, checkpoints are
 written together, and a stop on SIGTERM is agreed at the same step by all of them.
+
+The loop does not wait for the device between steps: batches are prepared ahead by a
+background thread (``_Prefetch``, in order, placed on the devices), the learning rate
+is computed on the device from the optimiser state, and the metrics and finiteness
+flags of each step stay on the device until a step that logs, evaluates, checkpoints
+or stops, where they are fetched and checked. A non-finite update is discarded inside
+the compiled step in both ``train.on_nonfinite`` modes, so no state the loop holds,
+and no checkpoint, ever contains it; with ``abort`` the run stops at the next such
+step naming the first non-finite update, before anything of a later step is written.
 """
 
 import math
 import os
+import queue
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -28,12 +40,20 @@ from tqdm.auto import tqdm
 
 from ..config import Config, from_dict, validate
 from ..distributed import Layout, is_primary
+from ..objective import MixedPrecision
 from ._build import Experiment, build
 from ._errors import NonFiniteError, Preempted, SolverFailure
-from ._optimiser import make_schedule
+from ._optimiser import make_schedule, with_schedule
 from ._preempt import PreemptionGuard
 from ._rundir import RunDirectory
-from ._step import FINITE_SOURCES, make_eval_step, make_train_step
+from ._step import FINITE_SOURCES, enable_compile_cache, make_eval_step, make_train_step
+
+# Batches prepared ahead of the step that uses them.
+PREFETCH_DEPTH = 4
+# In a run of several processes, how often (in steps) they agree whether to stop on
+# SIGTERM: a query across processes, so not every step. A single process checks its
+# own flag every step.
+STOP_CHECK_EVERY = 10
 
 
 def _solver_message(error: Exception) -> str:
@@ -95,13 +115,146 @@ def _announce_schedule(previous: dict, config: Config, step: int, skipped: int) 
         )
 
 
+def with_precision(objective, config: Config):
+    """``objective`` under the precision policy of ``config.model``: unchanged when
+    the compute dtype is the parameters' (``model.precision`` unset or equal to
+    ``model.dtype``), else a ``MixedPrecision`` that computes in ``model.precision``."""
+    precision = config.model.precision
+    if precision is None or precision == config.model.dtype:
+        return objective
+    return MixedPrecision(objective, precision)
+
+
+class _Prefetch:
+    """Batches ``first .. last - 1`` of ``produce`` made in order by a background thread,
+    at most ``depth`` ahead of the loop.
+
+    ``get(n)`` returns batch ``n`` (the batches are asked for in order) and adds the
+    time it waited to ``wait_s``; an exception of ``produce`` is raised there, in the
+    loop's thread. ``close`` stops the thread (also while it waits on a full queue).
+    """
+
+    def __init__(self, produce: Callable[[int], Any], first: int, last: int, depth: int):
+        self.produce, self.first, self.last = produce, first, last
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stopped = threading.Event()
+        self.wait_s = 0.0
+        self.thread = threading.Thread(target=self._run, name="ocformer-prefetch", daemon=True)
+        self.thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        for n in range(self.first, self.last):
+            try:
+                item = (n, self.produce(n), None)
+            except BaseException as e:  # handed to the loop, raised there
+                self._put((n, None, e))
+                return
+            if not self._put(item):
+                return
+
+    def get(self, n: int):
+        t = time.perf_counter()
+        got, batch, error = self.queue.get()
+        self.wait_s += time.perf_counter() - t
+        if error is not None:
+            raise error
+        assert got == n, f"prefetched batch {got} where batch {n} was due"
+        return batch
+
+    def close(self) -> None:
+        self.stopped.set()
+        while True:  # unblock a producer waiting on a full queue
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                break
+        self.thread.join(timeout=10.0)
+
+    def __enter__(self) -> "_Prefetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Pending:
+    """The steps run since the last check: their finiteness flags, still on the device,
+    and the metrics of the newest. ``check`` fetches them in order."""
+
+    def __init__(self):
+        self.flags: list[tuple[int, Any]] = []
+        self.metrics: dict = {}
+
+    def add(self, step: int, finite, metrics: dict) -> None:
+        self.flags.append((step, finite))
+        self.metrics = metrics
+
+    def check(self) -> tuple[list[tuple[int, str]], dict]:
+        """``(bad, metrics)``: the non-finite steps with their first non-finite source,
+        in order, and the newest step's metrics as floats.
+
+        Raises:
+            SolverFailure: naming the first step whose solve failed.
+        """
+        bad = []
+        for step, finite in self.flags:
+            try:
+                flags = np.asarray(finite)
+            except eqx.EquinoxRuntimeError as e:
+                raise SolverFailure(step, _solver_message(e)) from None
+            if not flags.all():
+                bad.append((step, FINITE_SOURCES[int(np.argmin(flags))]))
+        last = self.flags[-1][0] if self.flags else None
+        try:
+            metrics = {k: float(v) for k, v in jax.device_get(self.metrics).items()}
+        except eqx.EquinoxRuntimeError as e:
+            raise SolverFailure(last or 0, _solver_message(e)) from None
+        self.flags, self.metrics = [], {}
+        return bad, metrics
+
+
+class _Profile:
+    """A ``jax.profiler`` trace of steps ``A+1 .. B`` (``train.profile_steps="A:B"``) in
+    ``DIR/profile``: started before step A+1 is dispatched, stopped once step B's
+    results exist."""
+
+    def __init__(self, text: str | None, directory: str, active: bool):
+        self.span = None if text is None or not active else tuple(map(int, text.split(":")))
+        self.directory, self.running = directory, False
+
+    def before(self, step: int) -> None:
+        """Called with the number of the step about to run."""
+        if self.span is not None and step == self.span[0] + 1:
+            jax.profiler.start_trace(self.directory)
+            self.running = True
+
+    def after(self, step: int, state) -> None:
+        if self.running and self.span is not None and step == self.span[1]:
+            jax.block_until_ready(state)
+            self.stop()
+
+    def stop(self) -> None:
+        if self.running:
+            self.running = False
+            jax.profiler.stop_trace()
+
+
 class _Evaluation:
     """The fixed validation set, the compiled evaluation step and text sampling."""
 
     def __init__(self, exp: Experiment, layout: Layout, model):
         task, tc, t = exp.task, exp.config.train, exp.config.task
         batches = task.eval_batches(t.eval_batch_size, t.eval_batches, tc.seed)
-        self.evaluate = make_eval_step(exp.objective)
+        self.evaluate = make_eval_step(with_precision(exp.objective, exp.config))
         if layout.active:
             self.batches = [layout.put_replicated(b) for b in batches]
             self.evaluate = layout.compile_eval_step(self.evaluate, model)
@@ -176,8 +329,10 @@ def train(
 
     Returns:
         A summary: ``step``, ``loss`` (last training loss), ``val_loss``,
-        ``val_accuracy``, ``skipped_steps``, ``wall_time_s``, ``resumed_from``,
-        ``workdir`` and the paths of the outputs that exist (None for the others).
+        ``val_accuracy``, ``skipped_steps``, ``wall_time_s``, ``data_wait_fraction``
+        (the share of the loop's wall time spent waiting for a batch),
+        ``resumed_from``, ``workdir`` and the paths of the outputs that exist (None
+        for the others).
 
     Raises:
         ConfigError: invalid configuration (nothing built, traced or written).
@@ -190,6 +345,7 @@ def train(
         Preempted: SIGTERM; a checkpoint was written first.
     """
     validate(config)
+    enable_compile_cache()  # effective if nothing was compiled before in this process
     started = time.perf_counter()
     layout = Layout(config)  # a mesh larger than the devices is refused here
     run = RunDirectory(workdir, primary=is_primary(), barrier=layout.barrier)
@@ -202,6 +358,9 @@ def train(
             config, initial, keep_checkpoints=tc.keep_checkpoints, changes=changes, argv=argv
         )
         model, opt_state, key, step, skipped = _from_tree(exp, restored or initial)
+        # The schedule of this configuration (a resumed run may have changed it); the
+        # count of applied updates comes from the checkpoint.
+        opt_state = with_schedule(opt_state, config.optimiser, tc.steps)
         if layout.active:
             # Checkpoints hold whole arrays: any mesh restores any other's.
             model, opt_state = layout.put_model(model), layout.put_state(opt_state, model)
@@ -209,9 +368,12 @@ def train(
             print(f"ocformer: resuming {run.path} from step {step}", flush=True)
             if changes:
                 _announce_schedule(run.stored_config or {}, config, step, skipped)
+        # Non-finite updates are discarded inside the step in both modes (see the
+        # module docstring); "abort" stops at the next check.
         train_step = make_train_step(
-            exp.objective, exp.constraints, exp.optimiser, skip_nonfinite=tc.on_nonfinite == "skip"
-        )
+            with_precision(exp.objective, config), exp.constraints, exp.optimiser,
+            skip_nonfinite=True,
+        )  # fmt: skip
         if layout.active:
             train_step = layout.compile_train_step(train_step, model, opt_state)
         place = layout.put_batch if layout.active else _on_device
@@ -222,47 +384,76 @@ def train(
         quiet = not (tc.progress and is_primary())
         bar = tqdm(total=tc.steps, initial=step, disable=quiet, desc="train",
                    dynamic_ncols=True, file=sys.stderr)  # fmt: skip
-        with bar, PreemptionGuard(tc.preempt_grace_s) as guard:
-            while step < tc.steps:
-                batch = exp.task.batch("train", step, config.task.batch_size, tc.seed)
-                # The learning rate this update uses: the schedule advances only on
-                # applied updates (a skipped one leaves the optimiser state as it was).
-                lr = float(np.asarray(exp.schedule(step - skipped)))
-                step += 1
-                try:
-                    new_model, new_opt, metrics, finite = train_step(model, opt_state, place(batch))
-                    finite, metrics = np.asarray(finite), {k: float(v) for k, v in metrics.items()}
-                except eqx.EquinoxRuntimeError as e:
-                    raise SolverFailure(step, _solver_message(e)) from None
-                if not finite.all():
-                    source = FINITE_SOURCES[int(np.argmin(finite))]
-                    if tc.on_nonfinite == "abort":
-                        raise NonFiniteError(step, source, run.checkpoint)
-                    skipped += 1
-                model, opt_state = new_model, new_opt
-                throughput.steps += 1
-                last = {"step": step, **metrics, "skipped_steps": skipped, "lr": lr}
-                evaluated = step % tc.eval_every == 0 or step == tc.steps
-                if evaluated or step % tc.log_every == 0:
-                    # Training throughput only: measured before evaluation and sampling,
-                    # whose time is then excluded from the next window.
-                    rate = throughput.rate()
-                    if evaluated:
-                        last.update(evaluation(model, step))
-                        if (text := evaluation.sample(model, key, step)) is not None:
-                            run.sample(step, text)
-                            bar.write(f"--- sample at step {step} ---\n{text}\n---")
-                        throughput.restart()
-                    run.log(step, {**last, **rate})
-                    speed = {throughput.name.replace("_per_", "/"): f"{rate[throughput.name]:,.0f}"}
-                    bar.set_postfix({"loss": f"{metrics['loss']:.4f}", **speed}, refresh=False)
-                bar.update(1)
-                # Every process stops at the same step (a checkpoint is written together).
-                stopping = layout.any_process(guard.requested) and step < tc.steps
-                if step % tc.checkpoint_every == 0 or step == tc.steps or stopping:
-                    run.save(step, _to_tree(model, opt_state, key, step, skipped), config)
-                if stopping:
-                    raise Preempted(step, run.checkpoint)
+        pending = _Pending()
+        profile = _Profile(tc.profile_steps, os.path.join(run.path, "profile"), is_primary())
+        several = layout.processes > 1
+
+        def produce(n: int) -> dict:
+            return place(exp.task.batch("train", n, config.task.batch_size, tc.seed))
+
+        loop_started = time.perf_counter()
+        prefetch = _Prefetch(produce, step, tc.steps, PREFETCH_DEPTH)
+        with bar, prefetch, PreemptionGuard(tc.preempt_grace_s) as guard:
+            try:
+                while step < tc.steps:
+                    batch = prefetch.get(step)
+                    step += 1
+                    profile.before(step)
+                    try:
+                        model, opt_state, metrics, finite = train_step(model, opt_state, batch)
+                    except eqx.EquinoxRuntimeError as e:
+                        raise SolverFailure(step, _solver_message(e)) from None
+                    pending.add(step, finite, metrics)
+                    profile.after(step, (model, opt_state))
+                    throughput.steps += 1
+                    evaluated = step % tc.eval_every == 0 or step == tc.steps
+                    logged = evaluated or step % tc.log_every == 0
+                    # Every process stops at the same step (a checkpoint is written
+                    # together); processes agree on it at a bounded cadence.
+                    if several:
+                        agree = step % STOP_CHECK_EVERY == 0 or logged
+                        stopping = agree and layout.any_process(guard.requested)
+                    else:
+                        stopping = guard.requested
+                    stopping = stopping and step < tc.steps
+                    saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
+                    if logged or saving:
+                        bad, values = pending.check()
+                        if bad and tc.on_nonfinite == "abort":
+                            raise NonFiniteError(bad[0][0], bad[0][1], run.checkpoint)
+                        skipped += len(bad)
+                        # The learning rate this update used (the schedule advances on
+                        # applied updates only).
+                        this_skipped = bool(bad) and bad[-1][0] == step
+                        applied = step - 1 - (skipped - int(this_skipped))
+                        lr = float(np.asarray(exp.schedule(applied)))
+                        last = {"step": step, **values, "skipped_steps": skipped, "lr": lr}
+                    if logged:
+                        # Training throughput only: measured before evaluation and
+                        # sampling, whose time is then excluded from the next window.
+                        rate = throughput.rate()
+                        rate["data_wait_fraction"] = prefetch.wait_s / max(
+                            time.perf_counter() - loop_started, 1e-9
+                        )
+                        if evaluated:
+                            last.update(evaluation(model, step))
+                            if (text := evaluation.sample(model, key, step)) is not None:
+                                run.sample(step, text)
+                                bar.write(f"--- sample at step {step} ---\n{text}\n---")
+                            throughput.restart()
+                        run.log(step, {**last, **rate})
+                        speed = {
+                            throughput.name.replace("_per_", "/"): f"{rate[throughput.name]:,.0f}"
+                        }
+                        bar.set_postfix({"loss": f"{last['loss']:.4f}", **speed}, refresh=False)
+                    bar.update(1)
+                    if saving:
+                        run.save(step, _to_tree(model, opt_state, key, step, skipped), config)
+                    if stopping:
+                        raise Preempted(step, run.checkpoint)
+            finally:
+                profile.stop()
+        loop_s = time.perf_counter() - loop_started
         if not last:  # nothing left to do: report the run's last record
             history = run.metrics.read()
             last = history[-1] if history else {}
@@ -273,6 +464,7 @@ def train(
             "val_accuracy": last.get("val_accuracy"),
             "skipped_steps": skipped,
             "wall_time_s": time.perf_counter() - started,
+            "data_wait_fraction": prefetch.wait_s / loop_s if loop_s > 0 else 0.0,
             "resumed_from": resumed_from,
             "workdir": run.path,
             **run.outputs(),
@@ -303,7 +495,8 @@ def _print_summary(s: dict) -> None:
             if s["val_accuracy"] is not None
             else ""
         )
-        + (f"   skipped updates {s['skipped_steps']}" if s["skipped_steps"] else ""),
+        + (f"   skipped updates {s['skipped_steps']}" if s["skipped_steps"] else "")
+        + f"   waiting for data {100 * s['data_wait_fraction']:.1f}% of the loop",
         f"  outputs in {s['workdir']}",
     ]
     if s["metrics"]:

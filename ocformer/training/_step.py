@@ -4,8 +4,15 @@ One update is $\theta \leftarrow P_C(\theta - \mathrm{opt}(\nabla_\theta J))$: t
 of the objective $J$ by whatever adjoint the gradient method put on the model, an optax
 update, then the projection $P_C$ onto the constraints. The step never looks at which
 scheme or gradient method it got: both live inside the model.
+
+A program is compiled once per shape. The learning rate is an entry of the optimiser
+state (``ocformer.training._optimiser``), so the schedule is not part of the program;
+the compiled steps are kept for the life of the process, keyed on what the program is
+made of (objective, constraints, update rule, skip mode); and JAX's persistent
+compilation cache (``enable_compile_cache``) keeps compiled programs across processes.
 """
 
+import os
 from collections.abc import Callable
 
 import equinox as eqx
@@ -15,6 +22,44 @@ import jax.tree_util as jtu
 import optax
 
 FINITE_SOURCES: tuple[str, ...] = ("loss", "gradients", "parameters")
+
+# Environment variable: a directory for JAX's persistent compilation cache, or one of
+# _OFF to leave it off.
+COMPILE_CACHE_ENV = "OCFORMER_COMPILE_CACHE"
+_OFF = ("0", "off", "false", "no", "none")
+# Programs that take longer than this to compile are written to the persistent cache
+# (JAX's default, one second, would leave out most of the steps of small models).
+MIN_CACHED_COMPILE_S = 0.1
+
+
+def default_compile_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/ocformer/jax``, or ``~/.cache/ocformer/jax``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ocformer", "jax")
+
+
+def enable_compile_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache; return its directory (None: off).
+
+    The directory is ``$OCFORMER_COMPILE_CACHE`` if set to a path, else
+    ``default_compile_cache_dir()``; ``OCFORMER_COMPILE_CACHE=off`` (or ``0``) leaves
+    the cache off. A cache directory the user gave JAX itself
+    (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept. JAX reads the setting
+    at its first compilation, so call this before anything is compiled (the command
+    line does); later calls in a process that has compiled already change nothing.
+    Programs that call back to the host (equinox's run-time checks) are never stored
+    by JAX.
+    """
+    choice = os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    if choice.lower() in _OFF and choice:
+        return None
+    existing = jax.config.jax_compilation_cache_dir
+    if existing:
+        return existing
+    path = choice or default_compile_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
+    return path
 
 
 def _all_finite(tree) -> jax.Array:
@@ -28,6 +73,10 @@ def _select(ok, new, old):
     return jtu.tree_map(lambda a, b: jnp.where(ok, a, b) if eqx.is_array(a) else a, new, old)
 
 
+# The compiled steps of this process, by what their program is made of.
+_TRAIN_STEPS: dict = {}
+
+
 def make_train_step(
     objective, constraints, optimiser: optax.GradientTransformation, *, skip_nonfinite: bool
 ) -> Callable:
@@ -37,7 +86,18 @@ def make_train_step(
     an update whose loss, gradients or new parameters are not finite is discarded
     inside the compiled step (model and optimiser state are returned unchanged);
     otherwise it is returned as computed and the caller aborts before using it.
+
+    Two calls with equal objectives and constraints, the same update function and
+    the same ``skip_nonfinite`` return the same compiled step, so that a second run
+    in the process traces and compiles nothing for shapes it has seen.
     """
+    key = (objective, constraints, optimiser.update, skip_nonfinite)
+    try:
+        cached = _TRAIN_STEPS.get(key)
+    except TypeError:  # an unhashable part: compile for this call only
+        key, cached = None, None
+    if cached is not None:
+        return cached
 
     @eqx.filter_jit
     def step(model, opt_state, batch):
@@ -53,15 +113,31 @@ def make_train_step(
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         return new_model, new_opt_state, metrics, finite
 
+    if key is not None:
+        _TRAIN_STEPS[key] = step
     return step
 
 
+_EVAL_STEPS: dict = {}
+
+
 def make_eval_step(objective) -> Callable:
-    """``evaluate(model, batch) -> metrics`` (with ``loss``), compiled."""
+    """``evaluate(model, batch) -> metrics`` (with ``loss``), compiled (one per equal
+    objective in a process, as ``make_train_step``)."""
+    try:
+        cached = _EVAL_STEPS.get(objective)
+    except TypeError:
+        objective_key, cached = None, None
+    else:
+        objective_key = objective
+    if cached is not None:
+        return cached
 
     @eqx.filter_jit
     def evaluate(model, batch):
         loss, metrics = objective(model, batch)
         return dict(metrics, loss=loss)
 
+    if objective_key is not None:
+        _EVAL_STEPS[objective_key] = evaluate
     return evaluate
