@@ -1,0 +1,222 @@
+"""A researcher's own corpus: ``prepare text`` writes exactly the ids its tokenizer
+gives, in the layout it documents, whatever the chunk size; the ``tokens`` task reads
+pure, contiguous windows from the right split; a short training run samples text."""
+
+import hashlib
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from ocformer import train as cli
+from ocformer.tasks import Tokens, make_task, prepare_text
+from ocformer.tasks._dataset import dtype_for
+from ocformer.training import ExitCode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+WORDS = ["alpha", "beta", "gamma", "délta", "ε", "zeta\n", "eta,", "θ.", "\n\n", "  "]
+
+
+def _text(n_words: int, seed: int, words=WORDS) -> str:
+    r = random.Random(seed)
+    return " ".join(r.choice(words) for _ in range(n_words))
+
+
+def _write(path, text: str):
+    path.write_bytes(text.encode("utf-8"))
+    return path
+
+
+def _ids(directory, name, dtype="<u2"):
+    return np.fromfile(directory / name, dtype=dtype)
+
+
+def _reference_ids(directory, text: str) -> list[int]:
+    """The ids of ``text`` from the stored tokenizer.json, loaded by the tokenizers
+    library itself (not ocformer's fast path)."""
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two files, a.txt with exactly 9/10 of the bytes (so validation is exactly b.txt);
+    b.txt's letters are capitals, which a.txt does not have."""
+    root = tmp_path_factory.mktemp("corpus")
+    b = _text(40, 1, ["XYZ", "QRS\n", "WVU"])
+    size = 9 * len(b.encode())
+    a = _text(size, 0).encode()[:size].decode("utf-8", errors="ignore")
+    a += "." * (size - len(a.encode()))  # pad with one-byte characters to the exact size
+    _write(root / "a.txt", a), _write(root / "b.txt", b)
+    assert (root / "a.txt").stat().st_size == 9 * (root / "b.txt").stat().st_size
+    return root, a, b
+
+
+def test_char_ids_are_the_tokenizers_and_split_by_file(corpus, tmp_path):
+    root, a, b = corpus
+    out = tmp_path / "ds"
+    manifest = prepare_text([str(root / "a.txt"), str(root / "b.txt")], "char", out, progress=False)
+    symbols = sorted(set(a + b))
+    assert manifest["vocab_size"] == len(symbols) and manifest["dtype"] == "uint16"
+    train, val = _ids(out, "train.bin"), _ids(out, "val.bin")
+    # b.txt holds 1/10 of the bytes, so the split is exactly at its first byte.
+    assert train.tolist() == _reference_ids(out, a)
+    assert val.tolist() == _reference_ids(out, b)
+    assert train.tolist() == [symbols.index(c) for c in a]  # ids in code-point order
+    task = Tokens(out, seq_len=4)
+    assert task.decode(task.encode(a + b)) == a + b
+    assert task.decode(train) == a and task.decode(val) == b
+    assert manifest["splits"]["train"]["tokens"] == len(a)
+
+
+def test_bpe_round_trip_and_stored_ids(corpus, tmp_path):
+    root, a, b = corpus
+    out = tmp_path / "ds"
+    manifest = prepare_text([str(root / "*.txt")], "bpe:300", out, progress=False)
+    assert 256 < manifest["vocab_size"] <= 300 and manifest["dtype"] == "uint16"
+    assert manifest["tokenizer"]["kind"] == "bpe"
+    train, val = _ids(out, "train.bin"), _ids(out, "val.bin")
+    assert train.tolist() == _reference_ids(out, a) and val.tolist() == _reference_ids(out, b)
+    assert len(train) < len(a.encode())  # merges were learnt and used
+    task = Tokens(out, seq_len=4)
+    assert task.vocab_size == manifest["vocab_size"]
+    for text in (a, b, "unseen: Ω ∑ 😀 \t\r\n"):
+        assert task.decode(task.encode(text)) == text
+
+
+def test_manifest_hashes_and_layout(corpus, tmp_path):
+    root, _, _ = corpus
+    out = tmp_path / "ds"
+    manifest = prepare_text(
+        [str(root / "a.txt"), str(root / "b.txt")], "bpe:260", out, progress=False
+    )
+    on_disk = json.loads((out / "manifest.json").read_text())
+    assert on_disk == manifest
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json", "tokenizer.json", "train.bin", "val.bin",
+    ]  # fmt: skip
+
+    def sha(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    for source, name in zip(manifest["sources"], ["a.txt", "b.txt"], strict=True):
+        assert source["sha256"] == sha(root / name) and source["path"] == str(root / name)
+    assert manifest["tokenizer"]["sha256"] == sha(out / "tokenizer.json")
+    for split, name in [("train", "train.bin"), ("validation", "val.bin")]:
+        record = manifest["splits"][split]
+        assert record["sha256"] == sha(out / name)
+        assert record["tokens"] * 2 == (out / name).stat().st_size == record["bytes"]
+    assert not [p for p in tmp_path.iterdir() if p.name != "ds"]  # no temporary left
+
+
+def test_dtype_boundary_and_a_transformers_tokenizer_of_over_65536_symbols(tmp_path):
+    assert dtype_for(1 << 16) == np.dtype("<u2") and dtype_for((1 << 16) + 1) == np.dtype("<u4")
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(70_000)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(
+        tmp_path / "checkpoint"
+    )
+    r = np.random.default_rng(0)
+    text = " ".join(f"w{i}" for i in r.integers(0, 70_000, size=2000)) + " w69999 w0"
+    corpus = _write(tmp_path / "c.txt", text)
+    out = tmp_path / "ds"
+    manifest = prepare_text([str(corpus)], str(tmp_path / "checkpoint"), out, progress=False)
+    assert manifest["dtype"] == "uint32" and manifest["vocab_size"] == 70_001
+    assert manifest["tokenizer"]["kind"] == "file"
+    assert (out / "tokenizer.json").read_bytes() == (
+        tmp_path / "checkpoint" / "tokenizer.json"
+    ).read_bytes()
+    ids = np.concatenate([_ids(out, "train.bin", "<u4"), _ids(out, "val.bin", "<u4")])
+    assert ids.tolist() == _reference_ids(out, text)
+    assert ids.max() == 70_000  # w69999: an id above 65535 survives the round trip
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe:280"])
+def test_small_chunks_give_the_same_files(tmp_path, tokenizer):
+    """Streaming: chunks of 64 bytes (a corpus of ~50 KB, ~800 chunks) give byte for
+    byte the files of one chunk."""
+    text = _text(8000, 3)
+    corpus = _write(tmp_path / "c.txt", text)
+    whole = prepare_text([str(corpus)], tokenizer, tmp_path / "one", progress=False)
+    small = prepare_text(
+        [str(corpus)], tokenizer, tmp_path / "many", chunk_bytes=64, progress=False
+    )
+    for split in ("train", "validation"):
+        assert small["splits"][split]["sha256"] == whole["splits"][split]["sha256"]
+        assert small["splits"][split]["tokens"] == whole["splits"][split]["tokens"] > 0
+    assert small["tokenizer"]["sha256"] == whole["tokenizer"]["sha256"]
+    ids = np.concatenate([_ids(tmp_path / "many", n) for n in ("train.bin", "val.bin")])
+    assert ids.tolist() == _reference_ids(tmp_path / "many", text)
+
+
+@pytest.fixture(scope="module")
+def task(corpus, tmp_path_factory):
+    root, _, _ = corpus
+    out = tmp_path_factory.mktemp("ds") / "ds"
+    prepare_text([str(root / "a.txt"), str(root / "b.txt")], "char", out, progress=False)
+    return make_task("tokens", path=str(out), seq_len=6)
+
+
+def _contains(data: np.ndarray, window: np.ndarray) -> bool:
+    hits = np.flatnonzero(data[: len(data) - len(window) + 1] == window[0])
+    return any(np.array_equal(data[h : h + len(window)], window) for h in hits)
+
+
+def test_batches_are_pure_and_contiguous_windows_of_their_split(task):
+    path = task.dataset.path
+    train, val = _ids(path, "train.bin"), _ids(path, "val.bin")
+    one = task.batch("train", 3, 16, seed=7)
+    assert one["inputs"].dtype == np.int32 and one["inputs"].shape == (16, 6)
+    again = task.batch("train", 3, 16, seed=7)
+    assert all(np.array_equal(one[k], again[k]) for k in one)
+    assert not np.array_equal(one["inputs"], task.batch("train", 4, 16, seed=7)["inputs"])
+    assert not np.array_equal(one["inputs"], task.batch("train", 3, 16, seed=8)["inputs"])
+    np.testing.assert_array_equal(one["inputs"][:, 1:], one["targets"][:, :-1])
+    for split, data in (("train", train), ("validation", val)):
+        batch = task.batch(split, 0, 32, seed=0)
+        for x, y in zip(batch["inputs"], batch["targets"], strict=True):
+            assert _contains(data, np.append(x, y[-1]))
+    # Validation windows hold capitals (b.txt's), training windows none.
+    capitals = set(task.encode("QRSUVWXYZ").tolist())
+    val_ids = np.concatenate([b["inputs"] for b in task.eval_batches(8, 4)]).ravel()
+    train_ids = np.concatenate([task.batch("train", i, 8, 0)["inputs"] for i in range(4)])
+    assert capitals & set(val_ids.tolist()) and not capitals & set(train_ids.ravel().tolist())
+    assert not capitals & set(train.tolist())
+
+
+def test_rows_are_the_rows_of_the_whole_batch(task):
+    whole = task.batch("train", 5, 8, seed=1)
+    for rows in (slice(0, 4), slice(4, 8), slice(2, 3)):
+        part = task.batch("train", 5, 8, seed=1, rows=rows)
+        assert all(np.array_equal(part[k], whole[k][rows]) for k in whole)
+
+
+@pytest.mark.slow
+def test_train_on_a_prepared_corpus_samples_text(corpus, tmp_path, capsys):
+    root, _, _ = corpus
+    data = tmp_path / "data"
+    prepare_text([str(root / "*.txt")], "bpe:300", data, progress=False)
+    argv = [
+        "--config", SMOKE, "--workdir", str(tmp_path / "run"),
+        "--set", "task.name=tokens", "--set", f"task.path={data}", "--set", "task.seq_len=8",
+        "--set", "task.batch_size=4", "--set", "task.eval_batch_size=4",
+        "--set", "task.eval_batches=1", "--set", "train.steps=2", "--set", "train.eval_every=2",
+        "--set", "train.checkpoint_every=2", "--set", "train.sample_tokens=12",
+        "--set", "train.sample_prompt=alpha", "--set", "train.progress=false",
+    ]  # fmt: skip
+    assert cli.main(argv) == ExitCode.OK
+    samples = (tmp_path / "run" / "samples.txt").read_text(encoding="utf-8")
+    assert samples.startswith("=== step 2 ===\nalpha")
+    task = make_task("tokens", path=str(data), seq_len=8)
+    assert len(samples.split("\n", 1)[1]) > len("alpha")  # 12 ids decoded after the prompt
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics[-1]["step"] == 2 and np.isfinite(metrics[-1]["val_loss"])
+    # Cross-entropy at initialisation is near ln(vocab), not ln(8) of the config's vocab_size.
+    assert abs(metrics[-1]["val_loss"] - np.log(task.vocab_size)) < 1.0
