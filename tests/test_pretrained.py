@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from ocformer.convert import SUPPORTED_MODEL_TYPES, from_pretrained, to_pretrained
-from ocformer.models import refine
+from ocformer.models import Pooler, Readout, SequenceModel, TiedReadout, refine
 
 F64_TOL = 1e-10
 F32_TOL = 1e-5
@@ -154,7 +154,7 @@ def reference(name, model, inputs):
 
 
 def ours(name, model, inputs, only=None):
-    """The same outputs from an ocformer ``PretrainedModel`` (or only one of them)."""
+    """The same outputs from an ocformer ``SequenceModel`` (or only one of them)."""
     if only is not None:
         return {only: _ours(name, model, inputs)[only]()}
     return {k: f() for k, f in _ours(name, model, inputs).items()}
@@ -215,6 +215,14 @@ def test_heads_and_settings(saved):
     assert bert.transformer.layer_norm.eps == 1e-12
     # The checkpoint's dtype is kept when none is asked for.
     assert gpt2.embedding.tokens.dtype == np.float64
+    # One model class; the heads are readouts of it.
+    vit, vit_pooler = from_pretrained(saved["vit"][0]), from_pretrained(saved["vit_pooler"][0])
+    for model in (gpt2, bert, vit, vit_pooler):
+        assert type(model) is SequenceModel
+    assert gpt2.tied and gpt2.head is None and isinstance(gpt2.readout, TiedReadout)
+    assert gpt2.readout.tokens is gpt2.embedding.tokens  # the tie: one table
+    assert isinstance(bert.head, Pooler) and isinstance(vit_pooler.head, Pooler)
+    assert isinstance(vit.head, Readout) and vit.head.pooling == "cls"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -362,7 +370,7 @@ def test_to_pretrained_refuses_other_discretisations(saved, tmp_path):
     with pytest.raises(ValueError, match="steps_per_layer 2"):
         to_pretrained(fine, tmp_path / "out")
     assert not os.path.exists(tmp_path / "out")  # nothing written
-    with pytest.raises(ValueError, match="takes an ocformer.models.PretrainedModel"):
+    with pytest.raises(ValueError, match="takes an ocformer.models.SequenceModel"):
         to_pretrained(model.transformer, tmp_path / "out")
 
 

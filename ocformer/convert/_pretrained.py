@@ -24,17 +24,17 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ..controls import NormParams
 from ..controls._control import PiecewiseConstant
-from ..controls._params import NormParams
-from ..models._embedding import PatchEmbedding, TokenEmbedding
-from ..models._pretrained import (
-    ClassTokenHead,
+from ..models import (
+    ContinuousTransformer,
+    PatchEmbedding,
     Pooler,
-    PretrainedModel,
-    TiedHead,
+    Readout,
+    SequenceModel,
+    TokenEmbedding,
     TokenTypeEmbedding,
 )
-from ..models._transformer import ContinuousTransformer
 from ..operators import Activation
 from ..splitting import Lie
 from ._layers import from_layers, to_layers
@@ -142,7 +142,7 @@ class _Family:
     prefix: str
     shapes: Callable[[dict], tuple[Shapes, dict[str, Shapes]]]
     build: Callable[[dict, Mapping[str, np.ndarray], frozenset[str]], dict]
-    export: Callable[[PretrainedModel, dict], tuple[dict[str, np.ndarray], dict]]
+    export: Callable[[SequenceModel, dict], tuple[dict[str, np.ndarray], dict]]
 
 
 def _get(config: dict, key: str, default=None, *, required: bool = False):
@@ -273,13 +273,15 @@ def _gpt2_build(c, t, heads):
         final_norm=_norm_dict(t, "ln_f"),
     )
     embedding = _token_embedding(t["wte.weight"], t["wpe.weight"])
-    return {"embedding": embedding, "transformer": transformer, "head": TiedHead()}
+    return {"embedding": embedding, "transformer": transformer, "head": None, "tied": True}
 
 
-def _gpt2_export(model: PretrainedModel, c: dict):
+def _gpt2_export(model: SequenceModel, c: dict):
     embedding = model.embedding
-    if not isinstance(embedding, TokenEmbedding) or not isinstance(model.head, TiedHead):
-        raise ValueError("A GPT-2 model needs a TokenEmbedding and a TiedHead.")
+    if not isinstance(embedding, TokenEmbedding) or not model.tied:
+        raise ValueError(
+            "A GPT-2 model needs a TokenEmbedding and a readout tied to it (tied=True)."
+        )
     final = model.transformer.final_norm
     if final is None:
         raise ValueError("A GPT-2 model needs the final LayerNorm (final_norm).")
@@ -379,7 +381,7 @@ def _bert_build(c, t, heads):
     return {"embedding": embedding, "transformer": transformer, "head": head}
 
 
-def _bert_export(model: PretrainedModel, c: dict):
+def _bert_export(model: SequenceModel, c: dict):
     embedding = model.embedding
     if not isinstance(embedding, TokenTypeEmbedding):
         raise ValueError("A BERT model needs a TokenTypeEmbedding.")
@@ -536,14 +538,13 @@ def _vit_build(c, t, heads):
             bias=jnp.asarray(t["pooler.dense.bias"], dtype),
         )
     if "classifier" in heads:
-        head = ClassTokenHead(
-            weight=jnp.asarray(_linear(t["classifier.weight"]), dtype),
-            bias=jnp.asarray(t["classifier.bias"], dtype),
-        )
+        weight = _linear(t["classifier.weight"])
+        head = Readout(*weight.shape, key=jax.random.key(0), pooling="cls", dtype=dtype)
+        head = _replace(head, lambda m: (m.weight, m.bias), (weight, t["classifier.bias"]), dtype)
     return {"embedding": embedding, "transformer": transformer, "head": head}
 
 
-def _vit_export(model: PretrainedModel, c: dict):
+def _vit_export(model: SequenceModel, c: dict):
     embedding, final = model.embedding, model.transformer.final_norm
     if not isinstance(embedding, PatchEmbedding) or final is None:
         raise ValueError("A ViT model needs a PatchEmbedding and the final LayerNorm.")
@@ -577,7 +578,7 @@ def _vit_export(model: PretrainedModel, c: dict):
         }  # fmt: skip
     out |= _norm_arrays(final, "layernorm")
     head = model.head
-    if isinstance(head, ClassTokenHead):
+    if isinstance(head, Readout) and head.pooling == "cls":
         out |= {
             "classifier.weight": _linear(np.asarray(head.weight)),
             "classifier.bias": np.asarray(head.bias),
@@ -589,7 +590,9 @@ def _vit_export(model: PretrainedModel, c: dict):
             "pooler.dense.bias": np.asarray(head.bias),
         }
     elif head is not None:
-        raise ValueError(f"A ViT model's head is a ClassTokenHead, Pooler or None, got {head}.")
+        raise ValueError(
+            f"A ViT model's head is a class-token Readout, a Pooler or None, got {head}."
+        )
     return out, {"architectures": ["ViTModel"]}
 
 
@@ -721,7 +724,7 @@ def _read(files: list[str], names: dict[str, str], dtype: np.dtype) -> dict[str,
 
 def from_pretrained(
     path: str | os.PathLike, *, dtype=None, ignore: tuple[str, ...] = ()
-) -> PretrainedModel:
+) -> SequenceModel:
     """A local Hugging Face checkpoint of GPT-2, BERT or ViT as a continuous model.
 
     The embedding is the initial condition f; the layers become piecewise-constant
@@ -743,7 +746,7 @@ def from_pretrained(
             default every tensor must be accounted for.
 
     Returns:
-        A ``PretrainedModel``: ``logits(inputs)`` (images channels-last for ViT),
+        A ``SequenceModel``: ``logits(inputs)`` (images channels-last for ViT),
         ``hidden_states(inputs, key_mask)``.
 
     Raises:
@@ -763,7 +766,7 @@ def from_pretrained(
     target = _target_dtype(dtype, found, names)
     tensors = _read(files, names, target)
     parts = family.build(config, tensors, heads)
-    return PretrainedModel(source_config=json.dumps(config, sort_keys=True), **parts)
+    return SequenceModel(source_config=json.dumps(config, sort_keys=True), **parts)
 
 
 def _check_standard(transformer: ContinuousTransformer) -> None:
@@ -851,7 +854,7 @@ def _replace_directory(new: str, path: str) -> None:
 
 
 def to_pretrained(
-    model: PretrainedModel, path: str | os.PathLike, *, overwrite: bool = False
+    model: SequenceModel, path: str | os.PathLike, *, overwrite: bool = False
 ) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
 
@@ -874,16 +877,24 @@ def to_pretrained(
         overwrite: replace a directory that holds anything else.
 
     Raises:
-        ValueError: ``model`` is not a ``PretrainedModel`` of a supported family, or its
+        ValueError: ``model`` is not a ``SequenceModel`` of a supported family, or its
             transformer is not the standard discretisation (Lie, one step per layer);
             or ``path`` is a file.
         FileExistsError: ``path`` is a directory that is not empty and that ocformer
             did not write (or holds files besides ocformer's export), and ``overwrite``
             is off. Nothing in it is changed.
     """
-    if not isinstance(model, PretrainedModel):
+    if not isinstance(model, SequenceModel):
         raise ValueError(
-            f"to_pretrained takes an ocformer.models.PretrainedModel, got {type(model).__name__}."
+            f"to_pretrained takes an ocformer.models.SequenceModel, got {type(model).__name__}."
+        )
+    if model.source_config is None:
+        raise ValueError(
+            "to_pretrained writes a model in the format of the checkpoint it came from, "
+            "and this model came from none (source_config is None): it was built from an "
+            "ocformer configuration, whose embedding and head (an untied readout with a "
+            "bias) no GPT-2, BERT or ViT checkpoint has. Start the run from a checkpoint "
+            "(model.init_from=DIR) to be able to export it."
         )
     _check_standard(model.transformer)
     path = os.path.abspath(os.fspath(path))

@@ -3,16 +3,12 @@
 from ._cvt import with_conv_projections as with_conv_projections
 from ._embedding import (
     AbstractEmbedding as AbstractEmbedding,
+    AbstractReadout as AbstractReadout,
     PatchEmbedding as PatchEmbedding,
-    Readout as Readout,
-    TokenEmbedding as TokenEmbedding,
-)
-from ._pretrained import (
-    AbstractHead as AbstractHead,
-    ClassTokenHead as ClassTokenHead,
     Pooler as Pooler,
-    PretrainedModel as PretrainedModel,
-    TiedHead as TiedHead,
+    Readout as Readout,
+    TiedReadout as TiedReadout,
+    TokenEmbedding as TokenEmbedding,
     TokenTypeEmbedding as TokenTypeEmbedding,
 )
 from ._rules import (

@@ -1,4 +1,9 @@
-"""Embeddings (the initial state f(x, y) = u(x, y, 0)) and readouts of u(T)."""
+"""Embeddings (the initial state f(x, y) = u(x, y, 0)) and readouts g(u(T)).
+
+Every model, built, imported or trained, is one ``SequenceModel`` made of these pieces:
+GPT-2 is a ``TokenEmbedding`` with a tied readout, BERT a ``TokenTypeEmbedding`` with a
+``Pooler``, ViT a ``PatchEmbedding`` with a class-token ``Readout`` or a ``Pooler``.
+"""
 
 import abc
 import math
@@ -9,7 +14,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int
 
-from ..operators import constant_in_x
+from ..controls import NormParams
+from ..operators import LayerNormProjection, constant_in_x
 
 Pooling = Literal["none", "cls"]
 
@@ -71,6 +77,62 @@ class TokenEmbedding(AbstractEmbedding):
             raise ValueError(f"TokenEmbedding takes integer symbol ids, got {inputs.dtype}.")
         n = inputs.shape[1]
         return self.tokens[inputs] + self.positions[None, :n]
+
+
+class TokenTypeEmbedding(AbstractEmbedding):
+    r"""BERT-style: $f(x_i, \cdot) = P_{S_1}(E[s_i] + P[i] + T[\tau_i])$.
+
+    A symbol table, learned positions and a table of token types (segments), summed and
+    projected onto $S_1$ with a per-feature gain and bias and LayerNorm epsilon ``eps``:
+    the embedding's LayerNorm is a projection that ends the construction of $f$.
+
+    Args:
+        tokens: (V, d) symbol table.
+        positions: (N, d) position table.
+        token_types: (T, d) token-type table.
+        norm: gain and bias of the projection, each (d,).
+        eps: the LayerNorm epsilon.
+    """
+
+    tokens: Float[Array, "V d"]
+    positions: Float[Array, "N d"]
+    token_types: Float[Array, "T d"]
+    norm: NormParams
+    eps: float = eqx.field(static=True)
+
+    def __check_init__(self):
+        d = self.tokens.shape[-1]
+        for name, shape in (
+            ("positions", self.positions.shape),
+            ("token_types", self.token_types.shape),
+        ):
+            if len(shape) != 2 or shape[1] != d:
+                raise ValueError(
+                    f"TokenTypeEmbedding.{name} has shape {shape}, expected (rows, {d})."
+                )
+
+    @property
+    def seq_len(self) -> int:
+        return self.positions.shape[0]
+
+    def __call__(
+        self, inputs: Int[Array, "B N"], token_type_ids: Int[Array, "B N"] | None = None
+    ) -> Float[Array, "B N d"]:
+        if inputs.ndim != 2 or inputs.shape[1] > self.seq_len:
+            raise ValueError(
+                f"TokenTypeEmbedding takes symbol ids of shape (B, N) with N <= "
+                f"{self.seq_len}, got shape {inputs.shape}."
+            )
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros(inputs.shape, jnp.int32)
+        elif token_type_ids.shape != inputs.shape:
+            raise ValueError(
+                f"token_type_ids must have the shape of the symbol ids {inputs.shape}, got "
+                f"{token_type_ids.shape}."
+            )
+        n = inputs.shape[1]
+        f = self.tokens[inputs] + self.positions[None, :n] + self.token_types[token_type_ids]
+        return LayerNormProjection(eps=self.eps)(self.norm, f)
 
 
 class PatchEmbedding(AbstractEmbedding):
@@ -143,8 +205,22 @@ class PatchEmbedding(AbstractEmbedding):
         return jnp.concatenate([cls, tokens], axis=1) + self.positions[None]
 
 
-class Readout(eqx.Module):
-    r"""The head $g(u(T)) = u(T)\,W + b$, per token or of the class token.
+class AbstractReadout(eqx.Module):
+    """The readout $g(u(T))$: language-model logits, class logits or a pooled feature."""
+
+    @abc.abstractmethod
+    def __call__(self, u: Float[Array, "B N d"]) -> Float[Array, "B *N K"]:
+        """The outputs read from the final state."""
+
+    @property
+    @abc.abstractmethod
+    def per_token(self) -> bool:
+        """Whether there is one output per token (a language model) or one per input."""
+
+
+class Readout(AbstractReadout):
+    r"""The head $g(u(T)) = u(T)\,W + b$, per token or of the class token (ViT's
+    classifier).
 
     Args:
         width: d.
@@ -168,8 +244,53 @@ class Readout(eqx.Module):
         self.bias = jnp.zeros((num_outputs,), dtype)
         self.pooling = pooling
 
+    @property
+    def per_token(self) -> bool:
+        return self.pooling == "none"
+
     def __call__(self, u: Float[Array, "B N d"]) -> Float[Array, "B *N K"]:
         if self.pooling == "cls":
             u = u[:, 0]
         out = u @ self.weight
         return out + constant_in_x(self.bias, out.ndim)
+
+
+class TiedReadout(AbstractReadout):
+    r"""Language-model logits tied to the symbol table: $g(u) = u\,E^\top$ (GPT-2).
+
+    A ``SequenceModel`` with ``tied=True`` stores no head and builds this readout from
+    its embedding's ``tokens`` when it is read, so the tie holds through training and
+    re-discretisation (one table, one gradient).
+
+    Args:
+        tokens: the (V, d) symbol table of the embedding.
+    """
+
+    tokens: Float[Array, "V d"]
+
+    @property
+    def per_token(self) -> bool:
+        return True
+
+    def __call__(self, u: Float[Array, "B N d"]) -> Float[Array, "B N V"]:
+        return u @ self.tokens.T
+
+
+class Pooler(AbstractReadout):
+    r"""$g(u) = \tanh(u(x_0)\,W + b)$ of the first token (BERT's and ViT's pooler).
+
+    Args:
+        weight: (d, P), acting on the right.
+        bias: (P,).
+    """
+
+    weight: Float[Array, "d P"]
+    bias: Float[Array, " P"]
+
+    @property
+    def per_token(self) -> bool:
+        return False
+
+    def __call__(self, u: Float[Array, "B N d"]) -> Float[Array, "B P"]:
+        out = u[:, 0] @ self.weight
+        return jnp.tanh(out + constant_in_x(self.bias, out.ndim))

@@ -1,4 +1,5 @@
-"""A sequence model: embedding, the continuous Transformer, readout."""
+"""The model: embedding (the initial condition f), the continuous Transformer, and the
+readout of u(T). Built, imported and trained models are all this one class."""
 
 import equinox as eqx
 import jax
@@ -7,7 +8,14 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
-from ._embedding import AbstractEmbedding, Readout, TokenEmbedding
+from ._embedding import (
+    AbstractEmbedding,
+    AbstractReadout,
+    PatchEmbedding,
+    TiedReadout,
+    TokenEmbedding,
+    TokenTypeEmbedding,
+)
 from ._transformer import ContinuousTransformer
 
 
@@ -15,18 +23,30 @@ class SequenceModel(eqx.Module):
     r"""$\text{inputs} \mapsto g(u(T))$ with $u(0) = f(\text{inputs})$ and $u$ the solution
     of the controlled equation (``transformer``).
 
-    Language models pair a ``TokenEmbedding``, a causal transformer and a per-token
-    ``Readout``; classifiers a ``PatchEmbedding`` and a class-token ``Readout``.
+    One class for every model: a language model built for training pairs a
+    ``TokenEmbedding``, a causal transformer and a per-token ``Readout``; a classifier a
+    ``PatchEmbedding`` and a class-token ``Readout``; an imported checkpoint
+    (``ocformer.convert.from_pretrained``) is GPT-2's ``TokenEmbedding`` with a tied
+    readout, BERT's ``TokenTypeEmbedding`` with a ``Pooler`` (or no head), ViT's
+    ``PatchEmbedding`` with a class-token ``Readout`` or a ``Pooler``. Re-discretise the
+    transformer and put it back with ``with_transformer``.
 
     Args:
         embedding: builds u(0) of shape (B, N, d).
-        transformer: the solution operator u(0) -> u(T).
-        readout: the head applied to u(T).
+        transformer: the solution operator u(0) -> u(T), including any final projection.
+        head: the readout of u(T) with its own parameters; None for a tied readout or a
+            model without a head (an imported encoder).
+        tied: the readout is $u\,E^\top$ with $E$ the embedding's symbol table (GPT-2);
+            ``head`` must then be None.
+        source_config: for a model imported from a checkpoint, the JSON text of its
+            ``config.json``, kept so that the model can be written back in that format.
     """
 
     embedding: AbstractEmbedding
     transformer: ContinuousTransformer
-    readout: Readout
+    head: AbstractReadout | None = None
+    tied: bool = eqx.field(default=False, static=True)
+    source_config: str | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
         if not isinstance(self.transformer, ContinuousTransformer):
@@ -34,16 +54,75 @@ class SequenceModel(eqx.Module):
                 "SequenceModel.transformer must be an ocformer.models.ContinuousTransformer, "
                 f"got {type(self.transformer).__name__}."
             )
+        if self.tied and self.head is not None:
+            raise ValueError(
+                "A tied SequenceModel reads its logits from the embedding's symbol table; "
+                "give head=None with tied=True (or an untied head with tied=False)."
+            )
+        if self.tied and not isinstance(self.embedding, (TokenEmbedding, TokenTypeEmbedding)):
+            raise ValueError(
+                "tied=True reads the symbol table of a TokenEmbedding or TokenTypeEmbedding, "
+                f"got a {type(self.embedding).__name__}."
+            )
 
-    def initial_state(self, inputs) -> Float[Array, "B N d"]:
-        """u(0) = f(inputs)."""
-        return self.embedding(jnp.asarray(inputs))
+    @property
+    def readout(self) -> AbstractReadout:
+        """The readout g of u(T): the head, or for a tied model the symbol table's."""
+        if self.tied:
+            assert isinstance(self.embedding, (TokenEmbedding, TokenTypeEmbedding))
+            return TiedReadout(self.embedding.tokens)
+        if self.head is None:
+            raise ValueError(
+                "This model has no head (the checkpoint held none); use hidden_states."
+            )
+        return self.head
+
+    def initial_state(self, inputs, token_type_ids=None) -> Float[Array, "B N d"]:
+        """u(0) = f(inputs): symbol ids (B, N), or images (B, H, W, C) for patches.
+
+        ``token_type_ids`` (B, N) are read by a ``TokenTypeEmbedding`` (BERT) only.
+        """
+        inputs = jnp.asarray(inputs)
+        if isinstance(self.embedding, TokenTypeEmbedding):
+            types = None if token_type_ids is None else jnp.asarray(token_type_ids)
+            return self.embedding(inputs, types)
+        if token_type_ids is not None:
+            raise ValueError(
+                f"token_type_ids are read by a TokenTypeEmbedding (BERT); this model's "
+                f"embedding is a {type(self.embedding).__name__}."
+            )
+        if (
+            isinstance(self.embedding, PatchEmbedding)
+            and inputs.ndim == 4
+            and inputs.shape[-1] != self.embedding.input_shape[-1]
+        ):
+            raise ValueError(
+                f"Images are channels-last, (B, H, W, C) = (B, "
+                f"{', '.join(map(str, self.embedding.input_shape))}); got shape "
+                f"{inputs.shape}. Transpose (B, C, H, W) pixel values with "
+                "x.transpose(0, 2, 3, 1)."
+            )
+        return self.embedding(inputs)
+
+    def hidden_states(
+        self, inputs, key_mask: Bool[Array, "B N"] | None = None, token_type_ids=None
+    ) -> Float[Array, "B N d"]:
+        """u(T), after the final projection when the model has one (the last hidden
+        state of a standard Transformer). ``key_mask`` (True keeps a token) is the
+        padding mask."""
+        u0 = self.initial_state(inputs, token_type_ids)
+        return self.transformer(u0, None if key_mask is None else jnp.asarray(key_mask))
 
     def __call__(
-        self, inputs, key_mask: Bool[Array, "B N"] | None = None
+        self, inputs, key_mask: Bool[Array, "B N"] | None = None, token_type_ids=None
     ) -> Float[Array, "B *N K"]:
-        """Logits, batched over the leading axis: (B, N, vocab) or (B, num_classes)."""
-        return self.readout(self.transformer(self.initial_state(inputs), key_mask))
+        """The readout's output, batched over the leading axis: LM logits (B, N, V),
+        class logits (B, K) or the pooled first token (B, P)."""
+        return self.readout(self.hidden_states(inputs, key_mask, token_type_ids))
+
+    def logits(self, inputs, key_mask: Bool[Array, "B N"] | None = None, token_type_ids=None):
+        """The same as calling the model."""
+        return self(inputs, key_mask, token_type_ids)
 
     def with_transformer(self, transformer: ContinuousTransformer) -> "SequenceModel":
         """This model with another transformer (another scheme, adjoint, step count)."""
@@ -67,9 +146,12 @@ class SequenceModel(eqx.Module):
         Returns:
             The ``num_new`` sampled ids, int32.
         """
-        if not isinstance(self.embedding, TokenEmbedding) or self.readout.pooling != "none":
+        if not (
+            isinstance(self.embedding, TokenEmbedding)
+            and (self.tied or (self.head is not None and self.head.per_token))
+        ):
             raise ValueError(
-                "generate needs a language model: a TokenEmbedding and a per-token Readout."
+                "generate needs a language model: a TokenEmbedding and a per-token readout."
             )
         if not self.transformer.attention.causal:
             raise ValueError(
