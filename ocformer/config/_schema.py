@@ -74,6 +74,12 @@ class ModelConfig:
     conv_init_scale: float = _field(
         0.5, "noise scale of the initial kernels (unit kernel plus noise)", ge=0.0
     )
+    init_from: str | None = _field(
+        None,
+        "start from a Hugging Face checkpoint directory (GPT-2, BERT, ViT) or an ocformer "
+        "work directory (PATH@STEP: its checkpoint of that step); the architecture comes "
+        "from it",
+    )
 
 
 @dataclass(frozen=True)
