@@ -7,7 +7,9 @@ variance meeting the eps = 0 projection) goes through ``eqx.error_if``: under
 carrying the same message. It is never a silent NaN.
 """
 
+import os
 import re
+import shutil
 
 import equinox as eqx
 import jax
@@ -19,6 +21,14 @@ from _layers import random_stack
 from ocformer.controls import NormParams
 from ocformer.convert import from_layers
 from ocformer.operators import Attention, FeedForward, Grid, LayerNormProjection, activate
+from ocformer.tasks import make_task, prepare_text
+from ocformer.tasks._tokenizer import char_tokenizer
+from ocformer.tasks.prepare import main as prepare_main
+from ocformer.train import main as train_main
+
+SMOKE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "smoke.py"
+)
 
 ZERO_VARIANCE = "zero variance"
 
@@ -231,3 +241,148 @@ def test_zero_variance_in_the_model_raises_under_jit(norm):
     # The same model with eps > 0 is finite on this input.
     regularised = from_layers(layers, norm=norm, num_heads=2, ln_eps=1e-5)
     assert np.all(np.isfinite(regularised(u)))
+
+
+# ---------------------------------------------------------------------------------------
+# Prepared corpora: `python -m ocformer.tasks.prepare text|verify` and task.name=tokens.
+# Each refusal exits with 2, names the file or field, and writes nothing.
+
+
+def _file(directory, name, data: bytes) -> str:
+    path = directory / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return str(path)
+
+
+def _char_tokenizer_file(directory) -> str:
+    path = directory / "tok" / "tokenizer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    char_tokenizer("abcdef ").save(str(path))
+    return str(path)
+
+
+_GOOD = b"abc def " * 200
+PREPARE_REFUSALS = [
+    # (id, arguments before --out given the temporary directory, message)
+    ("glob-matching-nothing", lambda t: ["--input", f"{t}/none/*.txt", "--tokenizer", "char"],
+     r"--input '.*none/\*\.txt' matches no file"),
+    ("missing-file", lambda t: ["--input", f"{t}/missing.txt", "--tokenizer", "char"],
+     r"--input .*missing\.txt: no such file"),
+    ("empty-file", lambda t: ["--input", _file(t, "a.txt", _GOOD), _file(t, "e.txt", b""),
+                              "--tokenizer", "char"],
+     r"--input .*e\.txt: the file is empty"),
+    ("not-utf8-char", lambda t: ["--input", _file(t, "l1.txt", "café".encode("latin-1")),
+                                 "--tokenizer", "char"],
+     r"l1\.txt: not UTF-8 at byte offset 3 "),
+    ("not-utf8-second-file-given-tokenizer", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), _file(t, "b.txt", _GOOD + b"\xff" + _GOOD),
+        "--tokenizer", _char_tokenizer_file(t), "--chunk-bytes", "100"],
+     r"b\.txt: not UTF-8 at byte offset 1600 "),
+    ("bpe-too-small", lambda t: ["--input", _file(t, "a.txt", _GOOD), "--tokenizer", "bpe:100"],
+     r"--tokenizer 'bpe:100': N must be an integer between 256"),
+    ("bpe-not-a-number", lambda t: ["--input", _file(t, "a.txt", _GOOD), "--tokenizer", "bpe:"],
+     r"--tokenizer 'bpe:': N must be an integer between 256"),
+    ("tokenizer-not-a-tokenizer", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", _file(t, "t.json", b'{"a": 1}')],
+     r"--tokenizer .*t\.json is not a tokenizer\.json"),
+    ("tokenizer-directory-without-one", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", str(t)],
+     r"directory .* holds no tokenizer\.json"),
+    ("tokenizer-path-missing", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", f"{t}/nothing.json"],
+     r"nothing\.json does not exist"),
+    ("out-not-ours", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char",
+        "--out", os.path.dirname(_file(t, "out/notes.txt", b"mine"))],
+     r"--out .*out is a non-empty directory not written by ocformer \(it holds notes\.txt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make_args, message", [r[1:] for r in PREPARE_REFUSALS], ids=[r[0] for r in PREPARE_REFUSALS]
+)
+def test_prepare_text_refuses_bad_input(make_args, message, tmp_path, capsys):
+    args = make_args(tmp_path)
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "out")]
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert prepare_main(["text", *args, "--no-progress"]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dataset")
+    prepare_text([_file(root, "c.txt", _GOOD)], "char", root / "ds", progress=False)
+    return root / "ds"
+
+
+def _corrupt(name: str, edit):
+    def apply(directory):
+        path = directory / name
+        path.write_bytes(edit(path.read_bytes()))
+
+    return apply
+
+
+DATASET_REFUSALS = [
+    # (id, corruption of a copy of a good dataset, error type, message naming the file)
+    ("truncated-train-bin", _corrupt("train.bin", lambda b: b[:-2]), ValueError,
+     r"train\.bin has 2884 bytes, the manifest says 2886 bytes \(1443 uint16 ids\)"),
+    ("changed-id-in-val-bin", _corrupt("val.bin", lambda b: b"\x01\x00" + b[2:]), ValueError,
+     r"val\.bin has SHA-256 [0-9a-f]{64}, the manifest says [0-9a-f]{64}"),
+    ("id-at-vocab-size", _corrupt("train.bin", lambda b: b[:10] + b"\x07\x00" + b[12:]),
+     ValueError, r"train\.bin: token 5 is id 7, not below the vocabulary size 7"),
+    ("tokenizer-edited", _corrupt("tokenizer.json", lambda b: b + b"\n"), ValueError,
+     r"tokenizer\.json is missing or does not match the SHA-256"),
+    ("manifest-not-json", _corrupt("manifest.json", lambda b: b[:-5]), ValueError,
+     r"manifest\.json is not a valid dataset manifest"),
+    ("not-a-dataset-directory", lambda d: (d / "manifest.json").unlink(), ValueError,
+     r"task\.path .*ds is not a dataset directory \(no manifest\.json\)"),
+    ("path-missing", lambda d: shutil.rmtree(d), FileNotFoundError,
+     r"task\.path .*ds does not exist\. Prepare a dataset there"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "corrupt, error, message",
+    [r[1:] for r in DATASET_REFUSALS],
+    ids=[r[0] for r in DATASET_REFUSALS],
+)
+def test_tokens_task_refuses_a_corrupted_dataset(
+    corrupt, error, message, dataset, tmp_path, capsys
+):
+    directory = tmp_path / "ds"
+    shutil.copytree(dataset, directory)
+    corrupt(directory)
+    with pytest.raises(error, match=message):
+        make_task("tokens", path=str(directory), seq_len=4)
+    assert prepare_main(["verify", str(directory)]) == 2
+    assert re.search(message, capsys.readouterr().err)
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run"),
+            "--set", "task.name=tokens", "--set", f"task.path={directory}"]  # fmt: skip
+    assert train_main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_tokens_task_needs_a_path_and_checks_ids_of_a_large_dataset(dataset, tmp_path, capsys):
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run"), "--set", "task.name=tokens"]
+    assert train_main(argv) == 2
+    assert re.search(
+        r"task\.path: task\.name=tokens reads a dataset directory", capsys.readouterr().err
+    )
+    assert not (tmp_path / "run").exists()
+    # Past FULL_CHECK_BYTES, opening checks sizes only; a bad id is caught when read.
+    directory = tmp_path / "ds"
+    shutil.copytree(dataset, directory)
+    ids = np.full(1443, 7, dtype="<u2")
+    (directory / "train.bin").write_bytes(ids.tobytes())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("ocformer.tasks._dataset.FULL_CHECK_BYTES", 0)
+        task = make_task("tokens", path=str(directory), seq_len=4)
+    with pytest.raises(
+        ValueError, match=r"train\.bin: token \d+ is id 7, not below the vocabulary size 7"
+    ):
+        task.batch("train", 0, 2, seed=0)
