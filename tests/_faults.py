@@ -3,9 +3,11 @@
 In-process: ``monkeypatch.setattr(ocformer.training._loop, "make_train_step",
 nan_at_update(3))``. In a subprocess: ``python tests/_faults.py --nan-at 3 -- <arguments
 of python -m ocformer.train>`` patches the same way and runs the command line.
+``flip_bytes`` damages a committed checkpoint's array data on disk.
 """
 
 import itertools
+import os
 import sys
 
 import equinox as eqx
@@ -45,6 +47,24 @@ def nan_at_update(n: int):
         return step
 
     return make_train_step
+
+
+def flip_bytes(step_dir, count: int = 64, at: float = 0.1) -> str:
+    """Invert ``count`` bytes of a checkpoint's largest array data file (orbax's OCDBT
+    data under ``ocdbt.process_0/d``), starting ``at`` (a fraction) into it; returns
+    the file. The data is zstd-compressed in blocks: at 10% of the largest file of a
+    smoke run's checkpoint the damaged block still decompresses, so orbax reads the
+    arrays back without an error, with other bytes."""
+    folder = os.path.join(step_dir, "ocdbt.process_0", "d")
+    names = sorted(os.listdir(folder), key=lambda n: os.path.getsize(os.path.join(folder, n)))
+    path = os.path.join(folder, names[-1])
+    offset = int(os.path.getsize(path) * at)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(count)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in data))
+    return path
 
 
 def main(argv: list[str]) -> int:

@@ -12,7 +12,7 @@ import random
 import shutil
 
 import pytest
-from _faults import nan_at_update
+from _faults import flip_bytes, nan_at_update
 
 from ocformer import train as cli
 from ocformer.checkpointing import MARKER, CheckpointManager
@@ -194,6 +194,31 @@ def _other_shape(tmp_path, reference):
     return argv(d, "model.width=32", flags=["--allow-config-change"]), d
 
 
+def _config_json_deleted_and_changed(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    os.remove(d / "config.json")
+    return argv(d, "optimiser.learning_rate=0.01", "model.activation=relu"), d
+
+
+def _config_json_deleted_and_not_in_the_checkpoint(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    os.remove(d / "config.json")
+    marker = d / "checkpoints" / f"step_{STEPS}" / MARKER
+    record = json.loads(marker.read_text())
+    record["metadata"].pop("config")
+    marker.write_text(json.dumps(record))
+    return argv(d), d
+
+
+def _flipped_bytes_in_the_only_checkpoint(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    for step in CheckpointManager(str(d / "checkpoints")).steps()[:-1]:
+        os.remove(d / "checkpoints" / f"step_{step}" / MARKER)
+        shutil.rmtree(d / "checkpoints" / f"step_{step}")
+    flip_bytes(d / "checkpoints" / f"step_{STEPS}")
+    return argv(d), d
+
+
 def _nan_before_checkpoint(tmp_path, reference, monkeypatch):
     monkeypatch.setattr(_loop, "make_train_step", nan_at_update(2))
     return argv(tmp_path / "run"), None
@@ -228,6 +253,15 @@ BAD_INPUTS = [
      [f"step_{STEPS} is corrupted", "orbax cannot read it"]),
     ("checkpoint of another model shape", _other_shape, 2,
      ["does not match the configured model", "16]", "32]"]),
+    ("config.json deleted, resumed with other numerics", _config_json_deleted_and_changed, 2,
+     ["model.activation: 'gelu' -> 'relu'", "optimiser.learning_rate: 0.003 -> 0.01",
+      "--allow-config-change"]),
+    ("config.json deleted and not in the checkpoint",
+     _config_json_deleted_and_not_in_the_checkpoint, 2,
+     ["config.json is missing", f"step_{STEPS} does not record the configuration"]),
+    ("flipped bytes in the only checkpoint", _flipped_bytes_in_the_only_checkpoint, 2,
+     [f"checkpoints/step_{STEPS} is corrupted", "SHA-256 mismatch",
+      "no earlier committed checkpoint"]),
     ("NaN before any checkpoint", _nan_before_checkpoint, 4,
      ["non-finite loss at training step 2", "No checkpoint has been written yet"]),
 ]  # fmt: skip
@@ -329,6 +363,51 @@ def test_allowed_config_change_is_recorded_and_the_schedule_change_announced(
     assert records[STEPS]["lr"] == pytest.approx(new, rel=1e-6)
     # The changed run resumes with its own configuration without the flag.
     assert cli.main(argv(workdir, "train.steps=14")) == 0
+
+
+def test_deleted_config_json_is_recovered_byte_for_byte(reference, tmp_path, capsys):
+    """Every checkpoint records its configuration: a deleted config.json comes back
+    from the newest one, identical, and the resumed run checks changes against it (a
+    changed run is refused: see the table of bad inputs)."""
+    workdir = copy_of(reference, tmp_path)
+    original = (workdir / "config.json").read_bytes()
+    os.remove(workdir / "config.json")
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 0
+    err = capsys.readouterr().err
+    assert "config.json was missing; the configuration was recovered from checkpoint" in err
+    assert f"step_{STEPS}" in err
+    assert (workdir / "config.json").read_bytes() == original
+
+
+def test_flipped_bytes_fall_back_to_the_previous_checkpoint(reference, tmp_path, capsys):
+    """64 inverted bytes in the newest checkpoint's array data: orbax reads it without
+    an error, its checksum does not match, so the run warns, names it, resumes from the
+    previous checkpoint and recomputes the same steps bit for bit."""
+    workdir = copy_of(reference, tmp_path)
+    checkpoints = CheckpointManager(str(workdir / "checkpoints"))
+    saved = checkpoints.read_marker(STEPS)["sha256"]
+    flip_bytes(workdir / "checkpoints" / f"step_{STEPS}")
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 0
+    err = capsys.readouterr().err
+    previous = workdir / "checkpoints" / f"step_{STEPS - 4}"
+    assert f"checkpoints/step_{STEPS} is corrupted" in err and "SHA-256 mismatch" in err
+    assert f"resuming from the previous committed checkpoint {previous} instead" in err
+    assert numbers(read_metrics(workdir)) == numbers(read_metrics(reference))
+    # The checkpoint written again holds the bytes the first one held.
+    assert checkpoints.read_marker(STEPS)["sha256"] == saved
+
+
+def test_evaluate_refuses_a_checkpoint_whose_bytes_changed(reference, tmp_path, capsys):
+    from ocformer import evaluate
+
+    workdir = copy_of(reference, tmp_path)
+    flip_bytes(workdir / "checkpoints" / f"step_{STEPS}")
+    capsys.readouterr()
+    assert evaluate.main([str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoints/step_{STEPS} is corrupted" in err and "SHA-256 mismatch" in err
 
 
 def test_presentation_fields_may_change(reference, tmp_path):

@@ -8,5 +8,6 @@ from ._manager import (
     MARKER as MARKER,
     CheckpointError as CheckpointError,
     CheckpointManager as CheckpointManager,
+    ChecksumMismatch as ChecksumMismatch,
     NonFiniteCheckpointError as NonFiniteCheckpointError,
 )

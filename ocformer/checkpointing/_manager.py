@@ -7,6 +7,10 @@ finalisation; the marker is written after that, atomically (temporary file +
 at any moment of a save leaves at worst an incomplete directory, which the next start
 deletes. Old checkpoints are deleted marker first, for the same reason.
 
+The marker records each array's SHA-256 (of its bytes, as saved from host memory), and
+``restore`` checks them: bytes changed on disk after the commit (a bad disk, a stray
+write) raise ``ChecksumMismatch`` instead of restoring a silently different state.
+
 In a run of several processes every process calls ``save`` and ``restore``: orbax
 writes each array's pieces from the processes that hold them, process 0 alone deletes,
 commits and prunes, and all processes wait for each other around it. A checkpoint holds
@@ -15,6 +19,7 @@ whole arrays, not their layout, so it restores on any mesh and any number of pro
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -39,6 +44,11 @@ class CheckpointError(RuntimeError):
     of a different shape). The command line reports it and exits with code 2."""
 
 
+class ChecksumMismatch(CheckpointError):
+    """A committed checkpoint whose arrays read back with other bytes than were saved
+    (their SHA-256 differs from the one its marker records)."""
+
+
 class NonFiniteCheckpointError(ValueError):
     """Refusal to write a checkpoint holding NaN or Inf values."""
 
@@ -53,6 +63,12 @@ def _leaf_spec(tree) -> list[dict[str, Any]]:
         {"path": jtu.keystr(path), "shape": list(np.shape(x)), "dtype": _dtype(x)}
         for path, x in leaves
     ]
+
+
+def _sha256(a: np.ndarray) -> str:
+    """The SHA-256 of an array's bytes (C order)."""
+    flat = np.ascontiguousarray(a).reshape(-1)
+    return hashlib.sha256(flat.view(np.uint8)).hexdigest()
 
 
 def _spans_processes(x) -> bool:
@@ -212,6 +228,8 @@ class CheckpointManager:
                 "step": step,
                 "time": time.time(),
                 "leaves": spec,
+                # None for an array that spans processes (no process holds its bytes).
+                "sha256": [None if _spans_processes(a) else _sha256(a) for a in arrays],
                 "metadata": metadata or {},
             }
             atomic_write_text(os.path.join(target, MARKER), json.dumps(record))
@@ -255,6 +273,8 @@ class CheckpointManager:
         """The checkpoint of ``step`` in the structure of ``template``.
 
         Raises:
+            ChecksumMismatch: an array's bytes differ from those saved (corrupted on
+                disk after the commit).
             CheckpointError: if the checkpoint holds other shapes or dtypes than
                 ``template`` (a different model) or cannot be read (corrupted).
         """
@@ -295,6 +315,14 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"checkpoint {path} is corrupted: {w['path']} reads back as "
                     f"{a.dtype}{list(a.shape)}, its marker says {w['dtype']}{w['shape']}."
+                )
+        # Markers written before checksums were recorded have none to compare.
+        for a, w, digest in zip(arrays, want, record.get("sha256") or [None] * len(want)):
+            if digest is not None and _sha256(a) != digest:
+                raise ChecksumMismatch(
+                    f"checkpoint {path} is corrupted: the bytes of {w['path']} differ from "
+                    "those saved (SHA-256 mismatch; the file was changed on disk after the "
+                    "checkpoint was committed)"
                 )
         treedef = jtu.tree_structure(template)
         return jtu.tree_unflatten(treedef, arrays)

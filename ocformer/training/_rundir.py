@@ -18,7 +18,13 @@ import sys
 import time
 from collections.abc import Callable
 
-from ..checkpointing import CheckpointManager, atomic_write_text, remove_stale_temporaries
+from ..checkpointing import (
+    CheckpointError,
+    CheckpointManager,
+    ChecksumMismatch,
+    atomic_write_text,
+    remove_stale_temporaries,
+)
 from ..config import Config, to_dict
 from ._errors import ConfigChanged, WorkdirError
 from ._lock import LOCK_FILE, DirectoryLock
@@ -122,6 +128,7 @@ class RunDirectory:
         self._barrier = barrier or (lambda name: None)
         self._lock = DirectoryLock(self.path)
         self._allow_config_change = False
+        self._config_recovered_from: str | None = None  # checkpoint config.json came from
 
     # -- inspecting (changes nothing) ------------------------------------------------
 
@@ -174,19 +181,33 @@ class RunDirectory:
                 f"(it holds {shown}; no {RUN_MARKER}); refusing to write into it. Use a new "
                 "or empty --workdir"
             )
+        checkpoints = CheckpointManager(os.path.join(self.path, "checkpoints"))
+        latest = checkpoints.latest()
+        self._config_recovered_from = None
         if not os.path.exists(self.config_path):
-            return {}
-        try:
-            with open(self.config_path, encoding="utf-8") as f:
-                self.stored_config = json.load(f)
+            if latest is None:
+                return {}
+            # Deleted: the newest checkpoint says which configuration wrote it.
+            self.stored_config = checkpoints.read_marker(latest).get("metadata", {}).get("config")
             if not isinstance(self.stored_config, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
-            raise WorkdirError(
-                f"{self.config_path} cannot be read ({e}); it describes the run in this "
-                "directory. Restore it, or use a new --workdir"
-            ) from None
-        if CheckpointManager(os.path.join(self.path, "checkpoints")).latest() is None:
+                raise WorkdirError(
+                    f"{self.config_path} is missing and checkpoint {checkpoints.path(latest)} "
+                    "does not record the configuration that wrote it, so the run cannot be "
+                    "resumed safely. Restore config.json, or use a new --workdir"
+                )
+            self._config_recovered_from = checkpoints.path(latest)
+        else:
+            try:
+                with open(self.config_path, encoding="utf-8") as f:
+                    self.stored_config = json.load(f)
+                if not isinstance(self.stored_config, dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                raise WorkdirError(
+                    f"{self.config_path} cannot be read ({e}); it describes the run in this "
+                    "directory. Restore it, or use a new --workdir"
+                ) from None
+        if latest is None:
             return {}  # nothing to resume: the new run replaces an empty history
         changes = config_changes(self.stored_config, config)
         if changes and not allow_config_change:
@@ -231,16 +252,46 @@ class RunDirectory:
         if self.primary:
             self.checkpoints.clean()
         self._barrier("ocformer:rundir:claimed")
-        step = self.checkpoints.latest()
-        restored = None
-        if step is not None:
-            restored = self.checkpoints.restore(step, template)  # reads only
-            self.checkpoint = self.checkpoints.path(step)
+        step, restored = self._restore(template)
         if not self.primary:
             return step, restored
+        if self._config_recovered_from is not None:
+            _warn(
+                f"{self.config_path} was missing; the configuration was recovered from "
+                f"checkpoint {self._config_recovered_from} and is written back"
+            )
         self._record(config, argv, step, changes or {})
         self._continue_logs(config, step)
         return step, restored
+
+    def _restore(self, template):
+        """The newest committed checkpoint whose arrays match their checksums, as
+        ``(step, tree)`` (``(None, None)`` when there is none); reads only.
+
+        Raises:
+            CheckpointError: the only checkpoints there are fail their checksums, or
+                one cannot be read at all, or belongs to another model.
+        """
+        assert self.checkpoints is not None
+        steps = self.checkpoints.steps()
+        for i in range(len(steps) - 1, -1, -1):
+            try:
+                restored = self.checkpoints.restore(steps[i], template)
+            except ChecksumMismatch as e:
+                if i == 0:
+                    raise CheckpointError(
+                        f"{e}. There is no earlier committed checkpoint to resume from: "
+                        "delete that directory to start the run again, or use a new --workdir"
+                    ) from None
+                if self.primary:
+                    _warn(
+                        f"{e}; resuming from the previous committed checkpoint "
+                        f"{self.checkpoints.path(steps[i - 1])} instead"
+                    )
+                continue
+            self.checkpoint = self.checkpoints.path(steps[i])
+            return steps[i], restored
+        return None, None
 
     def _lock_directory(self) -> None:
         try:
