@@ -68,7 +68,7 @@ def _leaf_spec(tree) -> list[dict[str, Any]]:
 def _sha256(a: np.ndarray) -> str:
     """The SHA-256 of an array's bytes (C order)."""
     flat = np.ascontiguousarray(a).reshape(-1)
-    return hashlib.sha256(memoryview(flat.view(np.uint8))).hexdigest()
+    return hashlib.sha256(flat.view(np.uint8).data).hexdigest()
 
 
 def _spans_processes(x) -> bool:
