@@ -216,7 +216,9 @@ def test_train_on_a_prepared_corpus_samples_text(corpus, tmp_path, capsys):
     assert samples.startswith("=== step 2 ===\nalpha")
     task = make_task("tokens", path=str(data), seq_len=8)
     assert len(samples.split("\n", 1)[1]) > len("alpha")  # 12 ids decoded after the prompt
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert metrics[-1]["step"] == 2 and np.isfinite(metrics[-1]["val_loss"])
-    # Cross-entropy at initialisation is near ln(vocab), not ln(8) of the config's vocab_size.
-    assert abs(metrics[-1]["val_loss"] - np.log(task.vocab_size)) < 1.0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    metrics = json.loads(lines[-1])
+    # Two steps from initialisation: the cross-entropy is about ln(vocabulary) (5.7 for
+    # the manifest's 300 symbols; the config's vocab_size of 8 would give 2.1).
+    assert metrics["step"] == 2
+    assert np.log(task.vocab_size) - 1 < metrics["val_loss"] < np.log(task.vocab_size) + 2
