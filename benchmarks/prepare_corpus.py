@@ -1,0 +1,124 @@
+"""Throughput and peak memory of ``python -m ocformer.tasks.prepare text``.
+
+    python -m benchmarks.prepare_corpus --size 1G --tokenizer char bpe:4096 --json prep.json
+
+writes a deterministic corpus of ``--size`` bytes (words of a seeded vocabulary, drawn
+with Zipf-like frequencies, lines of about twelve words), then prepares it once per
+tokenizer in a fresh subprocess and reports wall time, MB/s (corpus bytes / wall time)
+and the subprocess's peak resident memory (``ru_maxrss`` of ``os.wait4``). The cost of
+starting the interpreter and importing ocformer (JAX included) is measured the same way
+and reported apart (``startup_s``, ``startup_rss_mb``); ``mb_per_s_after_startup``
+excludes it.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+WORDS = 20_000
+WORDS_PER_BLOCK = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def write_corpus(path: pathlib.Path, size: int, seed: int = 0) -> int:
+    """A corpus of at least ``size`` bytes, the same for the same (size, seed)."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz", dtype=np.uint8)
+    lengths = rng.integers(1, 11, size=WORDS)
+    vocab = [letters[rng.integers(0, 26, size=n)].tobytes() for n in lengths]
+    vocab[:20] = [w.capitalize() for w in vocab[:20]]
+    p = 1.0 / np.arange(1, WORDS + 1)  # Zipf's law, exponent 1
+    p /= p.sum()
+    words = np.array(vocab, dtype=object)
+    written = 0
+    with open(path, "wb") as f:
+        while written < size:
+            drawn = words[rng.choice(WORDS, size=WORDS_PER_BLOCK, p=p)]
+            seps = np.where(rng.random(WORDS_PER_BLOCK) < 1 / 12, b".\n", b" ")
+            block = b"".join((drawn + seps).tolist())
+            f.write(block)
+            written += len(block)
+    return written
+
+
+def run(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of ``cmd`` in a subprocess."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+    return wall, usage.ru_maxrss / 1024  # ru_maxrss is in KiB on Linux
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.prepare_corpus", description=__doc__
+    )
+    parser.add_argument("--size", default="100M", help="corpus bytes: 1G, 300M, 1000000")
+    parser.add_argument("--tokenizer", nargs="+", default=["char", "bpe:4096"])
+    parser.add_argument("--chunk-bytes", type=int, default=None)
+    parser.add_argument("--dir", type=pathlib.Path, default=None, help="scratch (default: temp)")
+    parser.add_argument("--json", type=pathlib.Path, default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    scratch = pathlib.Path(tempfile.mkdtemp(dir=args.dir, prefix="prepare-bench-"))
+    try:
+        corpus = scratch / "corpus.txt"
+        started = time.perf_counter()
+        size = write_corpus(corpus, parse_size(args.size))
+        print(f"corpus: {size} bytes in {time.perf_counter() - started:.1f} s", flush=True)
+        startup_s, startup_rss = run([sys.executable, "-c", "import ocformer.tasks.prepare"])
+        results = {
+            "corpus_bytes": size,
+            "startup_s": round(startup_s, 2),
+            "startup_rss_mb": round(startup_rss, 1),
+            "runs": [],
+        }
+        for tokenizer in args.tokenizer:
+            out = scratch / tokenizer.replace(":", "_")
+            cmd = [sys.executable, "-m", "ocformer.tasks.prepare", "text", "--input", str(corpus),
+                   "--tokenizer", tokenizer, "--out", str(out), "--no-progress"]  # fmt: skip
+            if args.chunk_bytes:
+                cmd += ["--chunk-bytes", str(args.chunk_bytes)]
+            wall, rss = run(cmd)
+            manifest = json.loads((out / "manifest.json").read_text())
+            row = {
+                "tokenizer": tokenizer,
+                "wall_s": round(wall, 2),
+                "mb_per_s": round(size / 1e6 / wall, 2),
+                "mb_per_s_after_startup": round(size / 1e6 / max(wall - startup_s, 1e-9), 2),
+                "peak_rss_mb": round(rss, 1),
+                "tokens": sum(r["tokens"] for r in manifest["splits"].values()),
+                "vocab_size": manifest["vocab_size"],
+                "dtype": manifest["dtype"],
+            }
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            shutil.rmtree(out)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps(results, indent=2))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
