@@ -1,11 +1,19 @@
 """Test-wide settings: float64 available, strict rank promotion, warnings as errors
-(pyproject), and the order in which tests are handed to the workers. Array shapes in
+(pyproject), one persistent compilation cache shared by every process of the run, and
+the order in which tests are handed to the workers. Array shapes in
 public signatures are documented by the jaxtyping aliases of ``ocformer._custom_types``;
 they are not checked at run time."""
 
 import os
+import pathlib
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+# One persistent compilation cache for the whole run: the xdist workers, the command-line
+# runs they start and the notebook kernels inherit these variables, so a program that
+# several processes compile (a training step, an evaluation) is compiled once.
+_CACHE = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
