@@ -32,6 +32,10 @@ use_stepsize_tol = _private(
     "diffrax",
 )
 
+# diffeqsolve's step loop, which an adjoint runs with the while loops of its choice (as
+# diffrax's own adjoints do through ``AbstractAdjoint._loop``).
+diffrax_loop = _private("diffrax._integrate", "loop", "the step loop of diffeqsolve", "diffrax")
+
 # The state of jax.distributed, whose coordinator client holds the key-value store that
 # the processes of a run use to agree on their count before the first collective.
 jax_distributed_state = _private(
@@ -50,4 +54,10 @@ def make_sbatch_string(**kwargs) -> str:
     return generator(**kwargs)
 
 
-__all__ = ["WrapTerm", "jax_distributed_state", "make_sbatch_string", "use_stepsize_tol"]
+__all__ = [
+    "WrapTerm",
+    "diffrax_loop",
+    "jax_distributed_state",
+    "make_sbatch_string",
+    "use_stepsize_tol",
+]

@@ -103,6 +103,8 @@ def test_registry_names():
         "discretise_then_optimise",
         "optimise_then_discretise",
         "direct",
+        "stored",
+        "stored_dots",
     }
     for name, cls in GRADIENT_METHODS.items():
         assert cls.name == name

@@ -7,11 +7,14 @@ from ._discretisation import (
     StepSize as StepSize,
 )
 from ._gradients import (
+    CONSTANT_STEP_METHODS as CONSTANT_STEP_METHODS,
     GRADIENT_METHODS as GRADIENT_METHODS,
     AbstractGradientMethod as AbstractGradientMethod,
     Direct as Direct,
     DiscretiseThenOptimise as DiscretiseThenOptimise,
     OptimiseThenDiscretise as OptimiseThenDiscretise,
+    StoredDots as StoredDots,
+    StoredResiduals as StoredResiduals,
 )
 from ._grid import (
     ADAPTIVE_STEPS_PER_LAYER as ADAPTIVE_STEPS_PER_LAYER,

@@ -7,11 +7,15 @@ given model is a rule of ``ocformer.models.RULES``.
 """
 
 import abc
+import functools as ft
+from collections.abc import Callable
 from typing import ClassVar
 
 import diffrax
 import equinox as eqx
+import jax
 
+from .._compat import diffrax_loop
 from ..controls import AbstractControl
 from ..splitting import ProjectedSolver
 from ._grid import backward_grid_controller
@@ -113,9 +117,125 @@ class Direct(AbstractGradientMethod):
         return diffrax.DirectAdjoint()
 
 
+def _scan_steps(cond_fun, body_fun, init_val, *, max_steps, buffers, policy):
+    """diffeqsolve's step loop as ``max_steps`` iterations of ``lax.scan``.
+
+    Only for a constant-step grid solved with ``max_steps`` equal to its step count
+    (what ``ocformer.integration.solve`` passes): every step is accepted, so the loop
+    runs exactly ``max_steps`` times and ``cond_fun`` holds at each of them; no
+    ``lax.cond`` then stands between the steps and XLA's fusion. ``buffers`` (the saved
+    states) are ordinary scan carries here, updated by ``.at[].set``.
+    """
+    del cond_fun, buffers
+    if policy is not None:
+        # Inside a scan the step needs no protection from common-subexpression
+        # elimination (jax.checkpoint's documentation).
+        body_fun = jax.checkpoint(body_fun, policy=policy, prevent_cse=False)
+    final, _ = jax.lax.scan(lambda val, _: (body_fun(val), None), init_val, length=max_steps)
+    return final
+
+
+def _scan_saves(cond_fun, body_fun, init_val, *, max_steps, buffers, checkpoints=None):
+    """diffeqsolve's loop over the ``SaveAt(ts=...)`` times that fall in one step, as a
+    ``lax.scan`` of ``max_steps`` (= the number of save times) guarded iterations:
+    reverse-mode differentiable, at the price of ``len(ts)`` cheap branch tests per
+    step (``SaveAt(steps=True)`` needs none)."""
+    del buffers, checkpoints
+
+    def one(val, _):
+        return jax.lax.cond(cond_fun(val), body_fun, lambda v: v, val), None
+
+    final, _ = jax.lax.scan(one, init_val, length=max_steps)
+    return final
+
+
+class _StoredAdjoint(diffrax.AbstractAdjoint):
+    """Plain reverse mode through the steps of a constant grid, scanned: the forward
+    pass keeps every step's intermediate values (all of them, or those ``policy``
+    saves) for the backward pass."""
+
+    policy: Callable | None = eqx.field(default=None, static=True)
+
+    def loop(
+        self,
+        *,
+        max_steps,
+        terms,
+        throw,
+        passed_solver_state,
+        passed_controller_state,
+        **kwargs,
+    ):
+        del throw, passed_solver_state, passed_controller_state
+        if max_steps is None:
+            raise ValueError("The stored gradient methods need max_steps (the step count).")
+        return diffrax_loop(
+            terms=terms,
+            max_steps=max_steps,
+            inner_while_loop=_scan_saves,
+            outer_while_loop=ft.partial(_scan_steps, policy=self.policy),
+            **kwargs,
+        )
+
+
+def _refuse_adaptive(name: str) -> None:
+    raise ValueError(
+        f"discretisation.gradient={name!r} scans the known number of steps of a "
+        "constant-step grid; with stepsize='pid' the step count is not known before the "
+        "solve. Use stepsize='constant', or gradient='discretise_then_optimise'."
+    )
+
+
+class StoredResiduals(AbstractGradientMethod):
+    r"""Backpropagation through the scheme with every step's residuals kept: the exact
+    gradient of the discrete $J$, like discretise-then-optimise, without recomputing
+    any step in the backward pass.
+
+    The steps of the constant grid run as one ``lax.scan`` of the time stepper's step
+    (with diffeqsolve's step-size control and saving), differentiated by plain reverse
+    mode: the forward pass stores each step's intermediate values (attention scores
+    and probabilities, the hidden activations of the feed-forward maps, layer-norm
+    statistics, ...) and the backward pass only applies their transposes. Memory per
+    step is that of a layer's activations, against one state per step for
+    ``DiscretiseThenOptimise``, which recomputes each step instead. Constant steps
+    only (``stepsize="constant"``): the scan needs the step count.
+    """
+
+    name: ClassVar[str] = "stored"
+
+    def adjoint(self, stepper, control, steps_per_layer, adaptive):
+        del stepper, control, steps_per_layer
+        if adaptive:
+            _refuse_adaptive(self.name)
+        return _StoredAdjoint()
+
+
+class StoredDots(AbstractGradientMethod):
+    r"""``StoredResiduals`` with a rematerialisation policy: each step is wrapped in
+    ``jax.checkpoint`` with ``jax.checkpoint_policies.dots_saveable``, so the forward
+    pass stores the results of the matrix products (the projections, the attention
+    scores and their application, the feed-forward maps) and the backward pass
+    recomputes only the element-wise work between them (softmax, activations,
+    normalisations). Less memory than ``StoredResiduals``, less recomputation than
+    ``DiscretiseThenOptimise``; constant steps only."""
+
+    name: ClassVar[str] = "stored_dots"
+
+    def adjoint(self, stepper, control, steps_per_layer, adaptive):
+        del stepper, control, steps_per_layer
+        if adaptive:
+            _refuse_adaptive(self.name)
+        return _StoredAdjoint(policy=jax.checkpoint_policies.dots_saveable)
+
+
+CONSTANT_STEP_METHODS: tuple[str, ...] = (StoredResiduals.name, StoredDots.name)
+"""The gradient methods that need a constant-step grid (``ocformer.models.RULES``)."""
+
 GRADIENT_METHODS: dict[str, type[AbstractGradientMethod]] = {
     DiscretiseThenOptimise.name: DiscretiseThenOptimise,
     OptimiseThenDiscretise.name: OptimiseThenDiscretise,
     Direct.name: Direct,
+    StoredResiduals.name: StoredResiduals,
+    StoredDots.name: StoredDots,
 }
 """Gradient methods by name; each class is constructible with no arguments."""

@@ -14,6 +14,7 @@ from typing import Literal
 
 import diffrax
 
+from ..integration import CONSTANT_STEP_METHODS
 from ..splitting import SCHEMES, SOLVERS, AbstractSplittingSolver, is_imex, is_implicit
 
 StepperKind = Literal["splitting", "explicit", "implicit", "imex"]
@@ -322,6 +323,19 @@ def _otd_projected_needs_continuous_controls(c: Choices) -> Refusal | None:
     return None
 
 
+def _stored_needs_constant_steps(c: Choices) -> Refusal | None:
+    if c.gradient in CONSTANT_STEP_METHODS and c.stepsize != "constant":
+        return Refusal(
+            "discretisation.gradient",
+            f"gradient={c.gradient!r} keeps the residuals of every step of a constant-step "
+            "grid, scanned over its known step count; with stepsize="
+            f"{c.stepsize!r} the number of steps is not known before the solve. Use "
+            "discretisation.stepsize=constant, or gradient=discretise_then_optimise "
+            "(checkpointed, any step-size control)",
+        )
+    return None
+
+
 RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
     _smooth_limit_of_post,
     _sets_need_scalar_norm,
@@ -337,6 +351,7 @@ RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
     _implicit_needs_small_steps,
     _otd_needs_smooth_single_term,
     _otd_projected_needs_continuous_controls,
+    _stored_needs_constant_steps,
 )
 """Every rule, in the order they are checked (the first refusal is reported)."""
 
