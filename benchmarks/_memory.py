@@ -17,8 +17,9 @@ Depth is varied two ways, each with a fitted log-log slope:
   methods differ in the constant, not the slope;
 - ``steps``: 4 layers with m steps per layer (the same controls, a finer time grid):
   parameters are fixed, so the slope is that of what the method stores per step
-  (expected: full storage linear, recursive checkpointing sub-linear, backsolve flat;
-  benchmarks/README.md has what is measured).
+  (expected: full storage linear, recursive checkpointing sub-linear, backsolve flat,
+  the stored methods linear with a larger slope: a step's residuals, not just its
+  state; benchmarks/README.md has what is measured).
 
 Compile time (trace, lower, compile) of the default method along ``layers`` is
 recorded; ``compile_growth`` is its ratio between the deepest and the shallowest model.
@@ -47,6 +48,8 @@ METHODS = (
     "discretise_then_optimise_recursive",
     "optimise_then_discretise_backsolve_heun",
     "direct",
+    "stored",
+    "stored_dots",
 )
 DEFAULT_METHOD = METHODS[0]
 
@@ -58,8 +61,8 @@ def method_overrides(method: str) -> list[str]:
         return [f"{gradient}=discretise_then_optimise"]
     if method == "optimise_then_discretise_backsolve_heun":
         return ["discretisation.stepper=heun", f"{gradient}=optimise_then_discretise"]
-    if method == "direct":
-        return [f"{gradient}=direct"]
+    if method in ("direct", "stored", "stored_dots"):
+        return [f"{gradient}={method}"]
     raise ValueError(f"Unknown method {method!r}; expected one of {METHODS}.")
 
 

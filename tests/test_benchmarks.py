@@ -35,6 +35,8 @@ METHODS = (
     "discretise_then_optimise_recursive",
     "optimise_then_discretise_backsolve_heun",
     "direct",
+    "stored",
+    "stored_dots",
 )
 
 
