@@ -23,7 +23,14 @@ import pytest
 from ocformer import launch, train as cli
 from ocformer.checkpointing import MARKER
 from ocformer.config import ConfigError, resolve
-from ocformer.distributed import DistributedError, Layout, MeshError, initialize, process_settings
+from ocformer.distributed import (
+    DistributedError,
+    Layout,
+    MeshError,
+    initialize,
+    mesh_shape,
+    process_settings,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
@@ -48,11 +55,28 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize(
+    "overrides, devices, field, words",
+    [
+        (["mesh.data=3"], 4, "mesh.data", "mesh.data=3 devices must divide task.batch_size=16"),
+        (["mesh.data=3"], 1, "mesh.data", "3 x 1 = 3 devices is larger than the 1 devices"),
+        (["mesh.model=4"], 4, "mesh.model", "model.num_heads=2"),
+        (["mesh.model=2", "model.hidden=33"], 2, "mesh.model", "model.hidden=33"),
+    ],
+)
+def test_mesh_that_does_not_divide_is_refused_at_start(overrides, devices, field, words):
+    """Divisibility needs the device count: on too few devices the count is named first
+    (the batch size is not blamed for a missing device)."""
+    config = resolve(SMOKE, overrides)
+    with pytest.raises(MeshError) as e:
+        mesh_shape(config, devices)
+    assert e.value.field == field and words in str(e.value)
+    if "batch_size" not in words:
+        assert "batch_size" not in str(e.value)
+
+
+@pytest.mark.parametrize(
     "overrides, field, words",
     [
-        (["mesh.data=3"], "mesh.data", "task.batch_size=16"),
-        (["mesh.model=4"], "mesh.model", "model.num_heads=2"),
-        (["mesh.model=2", "model.hidden=33"], "mesh.model", "model.hidden=33"),
         (["mesh.data=0"], "mesh.data", "-1 for the rest"),
         (["mesh.data=-1", "mesh.model=-1"], "mesh.model", "both -1"),
     ],

@@ -164,6 +164,18 @@ def _unknown_field(tmp_path, reference):
     return argv(tmp_path / "run", "train.stepz=3"), tmp_path
 
 
+def _infinite_learning_rate(tmp_path, reference):
+    return argv(tmp_path / "run", "optimiser.learning_rate=inf"), tmp_path
+
+
+def _nan_learning_rate(tmp_path, reference):
+    return argv(tmp_path / "run", "optimiser.learning_rate=nan"), tmp_path
+
+
+def _mesh_larger_than_the_devices(tmp_path, reference):
+    return argv(tmp_path / "run", "mesh.data=3"), tmp_path
+
+
 def _bad_set_syntax(tmp_path, reference):
     return argv(tmp_path / "run", "train.steps"), tmp_path
 
@@ -246,6 +258,12 @@ BAD_INPUTS = [
     ("missing experiment file", _missing_experiment, 2, ["nope.py", "does not exist"]),
     ("field out of range", _bad_value, 2, ["train.steps", ">= 0"]),
     ("unknown field", _unknown_field, 2, ["train.stepz"]),
+    ("learning rate inf", _infinite_learning_rate, 2,
+     ["optimiser.learning_rate: must be a finite number, got inf"]),
+    ("learning rate nan", _nan_learning_rate, 2,
+     ["optimiser.learning_rate: must be a finite number, got nan"]),
+    ("mesh.data=3 on one device", _mesh_larger_than_the_devices, 2,
+     ["3 x 1 = 3 devices is larger than the 1 devices"]),
     ("bad --set syntax", _bad_set_syntax, 2, ["bad --set syntax"]),
     ("missing data", _missing_data, 2, ["no_data", "make data"]),
     ("corrupted commit marker", _corrupt_marker, 2, [f"step_{STEPS}", "commit marker"]),

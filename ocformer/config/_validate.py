@@ -9,6 +9,7 @@ allocates nothing.
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, cast
@@ -106,6 +107,9 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
             path,
             f"expected {_type_name(tp)}, got {value!r} ({type(value).__name__})",
         )
+    numbers = value if isinstance(value, tuple) else (value,)
+    if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+        raise ConfigError(path, f"must be a finite number, got {value!r}")
     meta = f.metadata
     choices = meta.get("choices")
     if choices is not None and value not in choices:
@@ -282,9 +286,11 @@ def _check_profile(c: Config) -> None:
 
 
 def _check_mesh(c: Config) -> None:
-    """The mesh's explicit sizes divide what they split; ``-1`` is checked at start,
-    once the devices are known (``ocformer.distributed.make_mesh``)."""
-    mesh, m = c.mesh, c.model
+    """Sizes of 0 and two "the rest"s. Whether the sizes divide the batch, the heads and
+    the hidden width is checked at start (``ocformer.distributed.mesh_shape``), after
+    whether there are that many devices: on one device, ``mesh.data=3`` is refused for
+    the device count, not for the batch size."""
+    mesh = c.mesh
     for name in ("data", "model"):
         if getattr(mesh, name) == 0:
             raise ConfigError(
@@ -295,22 +301,6 @@ def _check_mesh(c: Config) -> None:
             "mesh.model",
             "mesh.data and mesh.model are both -1 ('the rest'); fix one of them, e.g. mesh.model=1",
         )
-    if mesh.data > 1 and c.task.batch_size % mesh.data:
-        raise ConfigError(
-            "mesh.data",
-            f"mesh.data={mesh.data} devices must divide task.batch_size={c.task.batch_size} "
-            "(each takes an equal slice of the batch); choose a divisor of the batch size",
-        )
-    if mesh.model > 1:
-        for what, size in (("model.num_heads", m.num_heads), ("model.hidden", m.hidden)):
-            if size % mesh.model:
-                raise ConfigError(
-                    "mesh.model",
-                    f"mesh.model={mesh.model} devices must divide {what}={size} (the "
-                    "controls are split by attention heads and feed-forward hidden width); "
-                    f"choose a common divisor of model.num_heads={m.num_heads} and "
-                    f"model.hidden={m.hidden}",
-                )
 
 
 def from_dict(data: dict) -> Config:

@@ -71,15 +71,22 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[int, int]:
     if config.task.batch_size % data:
         raise MeshError(
             "mesh.data",
-            f"{data} data devices must divide task.batch_size={config.task.batch_size}; "
-            "set mesh.data to a divisor of the batch size",
+            f"mesh.data={data} devices must divide task.batch_size="
+            f"{config.task.batch_size} (each takes an equal slice of the batch); choose a "
+            "divisor of the batch size",
         )
     for what, size in (
         ("model.num_heads", config.model.num_heads),
         ("model.hidden", config.model.hidden),
     ):
         if size % model:
-            raise MeshError("mesh.model", f"{model} model devices must divide {what}={size}")
+            raise MeshError(
+                "mesh.model",
+                f"mesh.model={model} devices must divide {what}={size} (the controls are "
+                "split by attention heads and feed-forward hidden width); choose a common "
+                f"divisor of model.num_heads={config.model.num_heads} and model.hidden="
+                f"{config.model.hidden}",
+            )
     return data, model
 
 
