@@ -812,7 +812,8 @@ def _check_destination(path: str, overwrite: bool) -> None:
     if not names:
         return
     if EXPORT_MARKER in names:
-        foreign = [n for n in names if n not in _EXPORT_FILES]
+        ours = _EXPORT_FILES | _marker_files(os.path.join(path, EXPORT_MARKER))
+        foreign = [n for n in names if n not in ours]
         if not foreign:
             return
         why = f"it holds files that ocformer did not write: {foreign}"
@@ -824,6 +825,16 @@ def _check_destination(path: str, overwrite: bool) -> None:
         "two checkpoints (stale weights, shards or an index next to the new files). Give "
         "a new or empty directory, or pass overwrite=True to replace the whole directory."
     )
+
+
+def _marker_files(marker: str) -> frozenset[str]:
+    """The extra files (a tokenizer) that an export's marker says it wrote."""
+    try:
+        with open(marker) as f:
+            files = json.load(f).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return frozenset()
+    return frozenset(f for f in files if isinstance(f, str) and os.path.basename(f) == f)
 
 
 def _sibling(path: str, kind: str) -> str:
@@ -854,7 +865,11 @@ def _replace_directory(new: str, path: str) -> None:
 
 
 def to_pretrained(
-    model: SequenceModel, path: str | os.PathLike, *, overwrite: bool = False
+    model: SequenceModel,
+    path: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    files: Mapping[str, str | os.PathLike] | None = None,
 ) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
 
@@ -875,6 +890,9 @@ def to_pretrained(
         model: the model to export.
         path: the checkpoint directory (new, empty, or an earlier export).
         overwrite: replace a directory that holds anything else.
+        files: further files to put in the checkpoint directory (name -> source file),
+            such as the run's ``tokenizer.json``; written with the checkpoint and
+            listed in its marker, so that exporting into the directory again is allowed.
 
     Raises:
         ValueError: ``model`` is not a ``SequenceModel`` of a supported family, or its
@@ -897,6 +915,14 @@ def to_pretrained(
             "(model.init_from=DIR) to be able to export it."
         )
     _check_standard(model.transformer)
+    files = {} if files is None else dict(files)
+    for name, source in files.items():
+        if os.path.basename(name) != name or name in _EXPORT_FILES:
+            raise ValueError(
+                f"files: {name!r} must be a plain file name other than {sorted(_EXPORT_FILES)}."
+            )
+        if not os.path.isfile(source):
+            raise ValueError(f"files: {name!r} is to be copied from {source!r}, not a file.")
     path = os.path.abspath(os.fspath(path))
     _check_destination(path, overwrite)
     config = json.loads(model.source_config)
@@ -918,7 +944,13 @@ def to_pretrained(
         with open(os.path.join(staging, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         save_file(out, os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
-        marker = {"model_type": config["model_type"], "architectures": config["architectures"]}
+        for name, source in files.items():
+            shutil.copyfile(source, os.path.join(staging, name))
+        marker = {
+            "model_type": config["model_type"],
+            "architectures": config["architectures"],
+            "files": sorted(files),
+        }
         with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
             json.dump(marker, f, indent=2)
         for name in os.listdir(staging):  # on disk before the rename makes them visible

@@ -2,15 +2,20 @@
 constraints, gradient method and optimiser."""
 
 import dataclasses
+import json
+import os
 from typing import Any, cast
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
 
 from .. import controls
-from ..config import Config, ConfigError, stepper_object
+from ..checkpointing import CheckpointManager
+from ..config import Config, ConfigError, from_dict, stepper_object, validate
 from ..controls import NormParams
 from ..integration import GRADIENT_METHODS, Discretisation
 from ..models import (
@@ -24,7 +29,10 @@ from ..models import (
 )
 from ..objective import Constraints, Objective
 from ..tasks import make_task
+from . import _init_from
+from ._errors import WorkdirError
 from ._optimiser import make_optimiser
+from ._rundir import RUN_MARKER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +48,9 @@ class Experiment:
         constraints: the ``ocformer.objective.Constraints`` projected after each update.
         optimiser: the optax transformation.
         schedule: learning rate by step.
+        init_from: where the model started (``model.init_from``): the source's path and
+            kind, the step of a work directory's checkpoint and the SHA-256 of its
+            weight files; None for a fresh initialisation.
     """
 
     config: Config
@@ -49,6 +60,7 @@ class Experiment:
     constraints: Any
     optimiser: optax.GradientTransformation
     schedule: optax.Schedule
+    init_from: dict | None = None
 
 
 def _task_kwargs(config: Config) -> dict:
@@ -136,7 +148,10 @@ def build_transformer(config: Config, key, *, causal: bool):
 
 
 def build_model(config: Config, task, key):
-    """Embedding, transformer and readout for ``task``."""
+    """Embedding, transformer and readout for ``task``: freshly initialised, or the
+    model of ``model.init_from`` (see ``start_model``)."""
+    if config.model.init_from is not None:
+        return start_model(config, task)[0]
     m = config.model
     dtype = _dtype(config)
     k_embed, k_control, k_read = jr.split(key, 3)
@@ -171,6 +186,86 @@ def build_model(config: Config, task, key):
     return SequenceModel(embedding, transformer, readout)
 
 
+def start_model(config: Config, task) -> tuple[SequenceModel, dict]:
+    """The model of ``model.init_from`` for ``task``, in the run's discretisation, and
+    the record of where it came from.
+
+    The source (a Hugging Face checkpoint directory or an ocformer work directory,
+    ``PATH@STEP`` for one of its checkpoints) fixes the architecture; a field of the
+    configuration set to another value is refused, as is a task the model cannot run.
+    The formulation, the discretisation, the dtype and the attention kernel are the
+    run's.
+
+    Raises:
+        ConfigError: on ``model.init_from`` or the field that conflicts (with both
+            values), before anything is written.
+    """
+    spec = config.model.init_from
+    assert spec is not None
+    source = _init_from.parse_source(spec)
+    if source.kind == "checkpoint":
+        model = _init_from.read_checkpoint(source, _dtype(config))
+        files, step = _init_from.checkpoint_files(source), None
+    else:
+        try:
+            _, model, step, checkpoint = restore_run(source.path, source.step)
+        except WorkdirError as e:
+            raise ConfigError("model.init_from", str(e)) from None
+        files = [
+            os.path.join(root, name) for root, _, names in os.walk(checkpoint) for name in names
+        ]
+    _init_from.check_architecture(config, source, _init_from.architecture(model))
+    _init_from.check_task(config, task, model, source)
+    model = _init_from.adapt(model, config, build_discretisation(config))
+    return model, _init_from.record(source, step, files)
+
+
+def restore_run(
+    workdir: str | os.PathLike, step: int | None = None
+) -> tuple[Config, SequenceModel, int, str]:
+    """The configuration and model of an ocformer work directory at a committed
+    checkpoint (the newest, or ``step``), that step, and the checkpoint's directory.
+
+    Raises:
+        WorkdirError: not an ocformer work directory, no configuration, or no committed
+            checkpoint (of ``step``).
+        ConfigError: the stored configuration is not valid for this version of ocformer.
+        ocformer.checkpointing.CheckpointError: a corrupted or mismatched checkpoint.
+    """
+    path = os.path.abspath(os.fspath(workdir))
+    if not os.path.isfile(os.path.join(path, RUN_MARKER)):
+        raise WorkdirError(f"{path} is not an ocformer work directory (no {RUN_MARKER})")
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = validate(from_dict(json.load(f)))
+    except (OSError, json.JSONDecodeError) as e:
+        raise WorkdirError(f"{path}/config.json cannot be read ({e})") from None
+    with CheckpointManager(os.path.join(path, "checkpoints")) as checkpoints:
+        steps = checkpoints.steps()
+        chosen = steps[-1] if step is None and steps else step
+        if chosen not in steps:
+            raise WorkdirError(
+                f"{path} has no committed checkpoint"
+                + ("" if step is None else f" of step {step}")
+                + (f"; committed steps: {steps}" if steps else "")
+            )
+        exp = build(config)
+        # The checkpoint's arrays in the order training writes them: the model's, the
+        # optimiser state, the random key, the step and the skipped-update count.
+        params = eqx.filter(exp.model, eqx.is_array)
+        template = (
+            params,
+            exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array)),
+            np.asarray(jr.key_data(jr.key(0))),
+            np.asarray(0, np.int64),
+            np.asarray(0, np.int64),
+        )
+        tree = checkpoints.restore(chosen, template)
+        directory = checkpoints.path(chosen)
+    model = eqx.combine(jax.tree.map(jnp.asarray, tree[0]), exp.model)
+    return config, model, chosen, directory
+
+
 def build(config: Config, task=None) -> Experiment:
     """Build the run's objects from a validated ``config``.
 
@@ -189,7 +284,10 @@ def build(config: Config, task=None) -> Experiment:
             f"task {config.task.name!r} is not a text language model, so it has nothing "
             "to sample; set train.sample_tokens=0",
         )
-    model = build_model(config, task, jr.key(config.train.seed))
+    if config.model.init_from is None:
+        model, init_from = build_model(config, task, jr.key(config.train.seed)), None
+    else:
+        model, init_from = start_model(config, task)
     o = config.objective
     objective = Objective(
         control_smoothness=o.control_smoothness,
@@ -200,4 +298,4 @@ def build(config: Config, task=None) -> Experiment:
         sigma_floor=o.sigma_floor, kernel_norm=cast(Any, o.kernel_norm), kernel_bound=o.kernel_bound
     )
     optimiser, schedule = make_optimiser(config.optimiser, config.train.steps)
-    return Experiment(config, task, model, objective, constraints, optimiser, schedule)
+    return Experiment(config, task, model, objective, constraints, optimiser, schedule, init_from)

@@ -1,0 +1,134 @@
+"""Command line: ``python -m ocformer.export WORKDIR --to DIR [--step N]``.
+
+Writes the trained model of an ocformer work directory as a Hugging Face checkpoint
+directory (``ocformer.convert.to_pretrained``), with the task's ``tokenizer.json`` when
+the run's dataset directory (``task.path``) has one. Only a run in the standard
+discretisation (the Lie scheme, one explicit-Euler step per layer, piecewise-constant
+controls, the split formulation) can be exported: that discretisation *is* the layer
+stack which ``transformers`` evaluates; any other is refused, naming the fields that
+differ. Only a model that started from a checkpoint (``model.init_from``) has a format
+to be written back in.
+
+Exit codes: 0 written, 2 refused (bad work directory, step, discretisation or
+destination; nothing written), 1 unexpected error.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from .checkpointing import CheckpointError
+from .config import Config, ConfigError
+from .config._schema import ControlsConfig, DiscretisationConfig, ModelConfig
+from .convert import to_pretrained
+from .training import ExitCode, WorkdirError, load_run
+
+TOKENIZER_FILE = "tokenizer.json"
+# The fields that make a run the standard layer stack (the values to_layers reads).
+_STANDARD = (
+    ("discretisation", "stepper", DiscretisationConfig().stepper),
+    ("discretisation", "sub_solver", DiscretisationConfig().sub_solver),
+    ("discretisation", "steps_per_layer", 1),
+    ("discretisation", "stepsize", DiscretisationConfig().stepsize),
+    ("model", "formulation", ModelConfig().formulation),
+    ("controls", "kind", ControlsConfig().kind),
+)
+
+
+def nonstandard_fields(config: Config) -> dict[str, tuple]:
+    """``{dotted field: (the run's value, the standard value)}`` for each field in which
+    the run differs from the standard discretisation; empty if it is standard."""
+    out = {}
+    for section, name, standard in _STANDARD:
+        value = getattr(getattr(config, section), name)
+        if value != standard:
+            out[f"{section}.{name}"] = (value, standard)
+    return out
+
+
+def export(workdir: str | os.PathLike, to: str | os.PathLike, step: int | None = None) -> str:
+    """Write the model of ``workdir`` (its newest checkpoint, or ``step``) to ``to`` as
+    a Hugging Face checkpoint directory; returns its path.
+
+    Raises:
+        ConfigError: the run is not in the standard discretisation (the fields named),
+            or did not start from a checkpoint.
+        WorkdirError: not a work directory, or no such checkpoint.
+        FileExistsError: ``to`` is a directory that ocformer did not write and is not
+            empty. Nothing is written in any of these cases.
+    """
+    workdir = os.fspath(workdir)
+    config, model = load_run(workdir, step)
+    differ = nonstandard_fields(config)
+    if differ:
+        listed = ", ".join(f"{k}={v!r} (standard: {s!r})" for k, (v, s) in differ.items())
+        raise ConfigError(
+            next(iter(differ)),
+            f"the run in {workdir} is discretised otherwise than the standard layer "
+            f"stack: {listed}. Only the standard discretisation is a Transformer that "
+            "the Hugging Face libraries can run; fine-tune with the standard "
+            "discretisation to export, or evaluate this run with ocformer",
+        )
+    if model.source_config is None:  # type: ignore[attr-defined]
+        raise ConfigError(
+            "model.init_from",
+            f"the run in {workdir} did not start from a Hugging Face checkpoint, so it has "
+            "no checkpoint format to be written back in; start it with "
+            "--set model.init_from=DIR to export it",
+        )
+    files = {}
+    dataset = config.task.path
+    if dataset is not None and os.path.isfile(os.path.join(dataset, TOKENIZER_FILE)):
+        files[TOKENIZER_FILE] = os.path.join(dataset, TOKENIZER_FILE)
+    path = os.path.abspath(os.fspath(to))
+    try:
+        to_pretrained(model, path, files=files)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ConfigError("--to", str(e)) from None
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ocformer.export",
+        description="Write a trained run as a Hugging Face checkpoint directory.",
+    )
+    p.add_argument("workdir", metavar="WORKDIR", help="the ocformer work directory")
+    p.add_argument("--to", required=True, metavar="DIR", help="the checkpoint directory")
+    p.add_argument("--step", type=int, metavar="N", help="the checkpoint (default: newest)")
+    return p
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"ocformer.export: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _enable_x64_if_needed(workdir: str) -> None:
+    # A float64 run's arrays are restored as float64 only under 64-bit JAX.
+    try:
+        with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+            dtype = json.load(f).get("model", {}).get("dtype")
+    except (OSError, ValueError, AttributeError):
+        return  # load_run reports the directory
+    if dtype == "float64":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _parser().parse_args(argv)
+    _enable_x64_if_needed(args.workdir)
+    try:
+        path = export(args.workdir, args.to, args.step)
+    except (ConfigError, WorkdirError, CheckpointError, FileExistsError) as e:
+        return _fail(ExitCode.USAGE, str(e))
+    print(f"ocformer.export: wrote {path}", flush=True)
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(int(main()))

@@ -1,0 +1,281 @@
+"""A pretrained start (``model.init_from``): which source a path names, the architecture
+it fixes, and whether a run's configuration and task agree with it.
+
+The source is a Hugging Face checkpoint directory (what ``ocformer.convert.from_pretrained``
+reads) or an ocformer work directory, optionally ``PATH@STEP`` for the checkpoint of that
+step. The architecture (depth, width, heads, hidden width, norm position, activation,
+LayerNorm epsilon, the final norm, the control family) comes from the source; every
+discretisation field stays free, so a checkpoint can be re-discretised and fine-tuned in
+one run. The optimiser starts fresh.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ..config import Config, ConfigError
+from ..config._schema import ControlsConfig, ModelConfig
+from ..convert import from_pretrained
+from ..convert._pretrained import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+from ..models import (
+    IncompatibleError,
+    PatchEmbedding,
+    Pooler,
+    Readout,
+    SequenceModel,
+    TokenEmbedding,
+    reformulate,
+)
+from ..operators import ConvAttention
+from ._rundir import RUN_MARKER
+
+FIELD = "model.init_from"
+# The sections and fields the source fixes; any other field may be set freely.
+ARCHITECTURE = (
+    ("model", "num_layers"),
+    ("model", "width"),
+    ("model", "num_heads"),
+    ("model", "hidden"),
+    ("model", "norm"),
+    ("model", "activation"),
+    ("model", "ln_eps"),
+    ("model", "final_norm"),
+    ("model", "attention"),
+    ("controls", "kind"),
+    ("controls", "norm_affine"),
+)
+_DEFAULTS = {"model": ModelConfig(), "controls": ControlsConfig()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a run starts from.
+
+    Attributes:
+        path: the absolute path of the directory.
+        kind: ``"checkpoint"`` (Hugging Face) or ``"run"`` (an ocformer work directory).
+        step: the work directory's checkpoint to start from; None: its newest.
+    """
+
+    path: str
+    kind: Literal["checkpoint", "run"]
+    step: int | None = None
+
+
+def parse_source(spec: str) -> Source:
+    """The ``Source`` that ``model.init_from`` names.
+
+    Raises:
+        ConfigError: the path is neither a checkpoint nor a work directory, or a step is
+            given for a Hugging Face checkpoint (which has no steps).
+    """
+    path, step = spec, None
+    match = re.fullmatch(r"(.+)@(\d+)", spec)
+    if match and not os.path.exists(spec):
+        path, step = match.group(1), int(match.group(2))
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isfile(os.path.join(path, RUN_MARKER)):
+        return Source(path, "run", step)
+    if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        if step is not None:
+            raise ConfigError(
+                FIELD,
+                f"{spec!r}: a step selects a checkpoint of an ocformer work directory, and "
+                f"{path} is a Hugging Face checkpoint directory (one set of weights); drop "
+                f"the '@{step}'",
+            )
+        return Source(path, "checkpoint")
+    what = "does not exist" if not os.path.exists(path) else "holds neither"
+    raise ConfigError(
+        FIELD,
+        f"{path} {what} a Hugging Face checkpoint ({CONFIG_FILE} with {WEIGHTS_FILE}) nor "
+        f"an ocformer work directory ({RUN_MARKER}); give the directory that "
+        "save_pretrained or python -m ocformer.train wrote (PATH@STEP for a step of a run)",
+    )
+
+
+def read_checkpoint(source: Source, dtype) -> SequenceModel:
+    """The model of a Hugging Face checkpoint; its refusals become ``ConfigError``."""
+    try:
+        return from_pretrained(source.path, dtype=dtype)
+    except ValueError as e:
+        raise ConfigError(FIELD, f"{source.path}: {e}") from None
+
+
+def architecture(model: SequenceModel) -> dict[tuple[str, str], Any]:
+    """The configuration fields (``ARCHITECTURE``) that ``model`` fixes."""
+    t = model.transformer
+    c = t.choices()
+    layer = t.layer(0)
+    return {
+        ("model", "num_layers"): t.num_layers,
+        ("model", "width"): t.width,
+        ("model", "num_heads"): t.attention.num_heads,
+        ("model", "hidden"): int(layer.feedforward.weights[0].shape[-1]),
+        ("model", "norm"): t.norm,
+        ("model", "activation"): t.feedforward.activation,
+        ("model", "ln_eps"): t.layer_norm.eps,
+        ("model", "final_norm"): t.final_norm is not None,
+        ("model", "attention"): "conv" if isinstance(t.attention, ConvAttention) else "dot",
+        ("controls", "kind"): c.controls,
+        ("controls", "norm_affine"): "scalar" if c.scalar_norm else "feature",
+    }
+
+
+def check_architecture(config: Config, source: Source, fixed: dict) -> None:
+    """Refuse a field set to a value other than the source's.
+
+    A field left at its default takes the source's value; a field set to anything else
+    must agree with the source.
+
+    Raises:
+        ConfigError: naming the first conflicting field and both values.
+    """
+    for (section, name), value in fixed.items():
+        ours = getattr(getattr(config, section), name)
+        default = getattr(_DEFAULTS[section], name)
+        if ours != default and ours != value:
+            raise ConfigError(
+                f"{section}.{name}",
+                f"is {ours!r}, but the run starts from {source.path} (model.init_from), "
+                f"whose {section}.{name} is {value!r}; the checkpoint fixes the "
+                f"architecture: leave {section}.{name} unset or set it to {value!r}",
+            )
+
+
+def check_task(config: Config, task, model: SequenceModel, source: Source) -> None:
+    """Refuse a task the source model cannot run.
+
+    Raises:
+        ConfigError: a language task with a model that is not a causal language model, a
+            sequence longer than the position table, a vocabulary larger than the symbol
+            table (or the readout), or an image task with another image or patch shape.
+    """
+    embedding, readout_size = model.embedding, _readout_size(model)
+    if task.kind == "lm":
+        if not (
+            isinstance(embedding, TokenEmbedding)
+            and model.transformer.attention.causal
+            and (model.tied or (model.head is not None and model.head.per_token))
+        ):
+            raise ConfigError(
+                FIELD,
+                f"{source.path} is not a causal language model (a token embedding, causal "
+                f"attention and per-token logits: {_kind(model)}), and task "
+                f"{config.task.name!r} is language modelling; start from a GPT-2 "
+                "checkpoint or a language-model run",
+            )
+        if task.seq_len > embedding.seq_len:
+            raise ConfigError(
+                "task.seq_len",
+                f"is {task.seq_len}, but the checkpoint at {source.path} has "
+                f"{embedding.seq_len} positions (its position table); set "
+                f"task.seq_len <= {embedding.seq_len}",
+            )
+        rows = min(embedding.tokens.shape[0], readout_size)
+        if task.vocab_size > rows:
+            raise ConfigError(
+                f"task ({config.task.name})",
+                f"its vocabulary has {task.vocab_size} symbols, but the checkpoint at "
+                f"{source.path} embeds {rows}; symbol ids must be < {rows}: use a task "
+                "whose tokenizer is the checkpoint's (or a smaller vocabulary)",
+            )
+        return
+    if not isinstance(embedding, PatchEmbedding) or model.head is None or model.head.per_token:
+        raise ConfigError(
+            FIELD,
+            f"{source.path} is not an image classifier (patch embedding and class-token "
+            f"head: {_kind(model)}), and task {config.task.name!r} classifies images",
+        )
+    example = task.batch("train", 0, 1, config.train.seed)["inputs"]
+    shape = tuple(example.shape[1:])
+    if len(shape) == 2:
+        shape = (*shape, 1)
+    if shape != embedding.input_shape:
+        raise ConfigError(
+            FIELD,
+            f"the checkpoint at {source.path} reads images of shape {embedding.input_shape} "
+            f"(H, W, C), and task {config.task.name!r} gives {shape}",
+        )
+    if task.num_classes > readout_size:
+        raise ConfigError(
+            f"task ({config.task.name})",
+            f"has {task.num_classes} classes, but the checkpoint's classifier has "
+            f"{readout_size} outputs",
+        )
+
+
+def _readout_size(model: SequenceModel) -> int:
+    if model.tied:
+        return int(model.readout(jnp.zeros((1, 1, model.transformer.width))).shape[-1])
+    if isinstance(model.head, (Readout, Pooler)):
+        return int(model.head.weight.shape[-1])
+    return 0
+
+
+def _kind(model: SequenceModel) -> str:
+    head = "tied readout" if model.tied else type(model.head).__name__
+    causal = "causal" if model.transformer.attention.causal else "bidirectional"
+    return f"{type(model.embedding).__name__}, {causal} attention, {head}"
+
+
+def adapt(model: SequenceModel, config: Config, discretisation) -> SequenceModel:
+    """The source model in the run's dtype, formulation, discretisation and attention
+    kernel (fields the source does not fix).
+
+    Raises:
+        ConfigError: the formulation and discretisation are a pair the rules refuse.
+    """
+    dtype = jnp.dtype(config.model.dtype)
+    model = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
+    m = config.model
+    try:
+        transformer = reformulate(
+            model.transformer,
+            formulation=m.formulation,  # type: ignore[arg-type]
+            relaxation_eps=m.relaxation_eps,
+            discretisation=discretisation,
+        )
+    except IncompatibleError as e:
+        raise ConfigError(e.field, str(e).split(": ", 1)[1]) from None
+    if transformer.attention.kernel != m.attention_kernel:
+        attention = dataclasses.replace(transformer.attention, kernel=m.attention_kernel)
+        transformer = eqx.tree_at(lambda t: t.attention, transformer, attention)
+    return model.with_transformer(transformer)
+
+
+def record(source: Source, step: int | None, files: list[str]) -> dict:
+    """Where a run started: the source, the step of a work directory's checkpoint, and
+    the SHA-256 of each file that holds the weights."""
+    return {
+        "path": source.path,
+        "kind": source.kind,
+        "step": step,
+        "sha256": {os.path.relpath(f, source.path): _sha256(f) for f in sorted(files)},
+    }
+
+
+def checkpoint_files(source: Source) -> list[str]:
+    """The weight files of a Hugging Face checkpoint (one file, or an index and shards)."""
+    single = os.path.join(source.path, WEIGHTS_FILE)
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(source.path, INDEX_FILE)
+    with open(index) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    return [index, *(os.path.join(source.path, s) for s in shards)]
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,203 @@
+"""A pretrained start (``model.init_from``) and the export back to Hugging Face.
+
+A tiny GPT-2 with random parameters of realistic size is saved by ``transformers``; the
+run that starts from it reproduces the checkpoint's loss at step 0 (float64, against
+the ``transformers`` model itself), a bad start is refused with exit code 2 before
+anything is written, ``PATH@STEP`` starts from one checkpoint of a run, the Strang
+re-discretisation trains, and a run exported with ``python -m ocformer.export`` is a
+``GPT2LMHeadModel`` with the same logits and the same greedy continuations.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from ocformer import export as export_cli, train as train_cli
+from ocformer.config import resolve
+from ocformer.evaluation import evaluate
+from ocformer.training import build, load_run
+
+VOCAB, POSITIONS = 16, 16
+QUIET = ["train.progress=false"]
+# The run's experiment file: the task, the loop and the optimiser; no model fields
+# (the checkpoint fixes the architecture).
+EXPERIMENT = """
+from ocformer.config import Config, ModelConfig, OptimiserConfig, TaskConfig, TrainConfig
+
+
+def get_config(arg=None):
+    return Config(
+        model=ModelConfig(dtype=arg or "float32"),
+        optimiser=OptimiserConfig(name="adamw", learning_rate=1e-3, warmup_steps=0),
+        task=TaskConfig(name="copy", seq_len=12, vocab_size=8, batch_size=4,
+                        eval_batch_size=8, eval_batches=2),
+        train=TrainConfig(steps=2, eval_every=2, checkpoint_every=2),
+    )
+"""
+
+
+def randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Parameters of realistic size (transformers' std 0.02 makes each layer almost the
+    identity, a weak comparison)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            if "ln_" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * z)
+            elif p.ndim == 1:
+                p.copy_(0.1 * z)
+            elif name.startswith(("transformer.wte", "transformer.wpe")):
+                p.copy_(z)
+            else:
+                p.copy_(z / np.sqrt(p.shape[0]))
+    return model.double().eval()
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    path = tmp_path_factory.mktemp("experiments") / "finetune.py"
+    path.write_text(EXPERIMENT)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A tiny GPT-2 (2 layers, width 8, 2 heads, 16 symbols and positions), saved in
+    float64: (directory, torch model)."""
+    path = tmp_path_factory.mktemp("hf") / "gpt2"
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=POSITIONS, n_embd=8, n_layer=2, n_head=2,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = randomise(GPT2LMHeadModel(config), 0)
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def hf_loss(model, inputs, targets) -> float:
+    """Mean next-symbol cross-entropy of the ``transformers`` model over the targets
+    that count (target -1: no loss)."""
+    with torch.no_grad():
+        logits = model(torch.tensor(np.asarray(inputs))).logits.double()
+    flat = torch.tensor(np.asarray(targets, np.int64)).reshape(-1)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(flat.shape[0], -1), flat,
+                                             ignore_index=-1)  # fmt: skip
+    return float(loss)
+
+
+def config(experiment, *sets, arg=None):
+    return resolve(experiment if arg is None else f"{experiment}:{arg}", [*QUIET, *sets])
+
+
+def test_start_reproduces_the_checkpoint_loss(experiment, gpt2):
+    """Step 0 of a run from the checkpoint: the first evaluation is the checkpoint's
+    loss on the same batches (float64, 1e-12)."""
+    path, hf = gpt2
+    jax.config.update("jax_enable_x64", True)
+    c = config(experiment, f"model.init_from={path}", arg="float64")
+    exp = build(c)
+    assert exp.model.tied and exp.model.embedding.tokens.dtype == jnp.float64
+    assert exp.init_from["kind"] == "checkpoint" and exp.init_from["step"] is None
+    assert list(exp.init_from["sha256"]) == ["model.safetensors"]
+    batches = exp.task.eval_batches(c.task.eval_batch_size, c.task.eval_batches, c.train.seed)
+    reference = np.mean([hf_loss(hf, b["inputs"], b["targets"]) for b in batches])
+    ours = evaluate(c, exp.model, exp.task)["val_loss"]
+    assert abs(ours - reference) / reference < 1e-12, (ours, reference)
+
+
+@pytest.mark.parametrize(
+    ("sets", "words"),
+    [
+        (["model.init_from={empty}"], ["model.init_from", "neither"]),
+        (["model.init_from={llama}"], ["model.init_from", "model_type='llama'"]),
+        (["model.init_from={gpt2}@3"], ["model.init_from", "drop the '@3'"]),
+        (["model.init_from={gpt2}", "model.width=24"], ["model.width", "24", "8"]),
+        (["model.init_from={gpt2}", "model.norm=post"], ["model.norm", "'post'", "'pre'"]),
+        (["model.init_from={gpt2}", "task.seq_len=32"], ["task.seq_len", "16 positions"]),
+        (["model.init_from={gpt2}", "task.vocab_size=20"], ["task (copy)", "< 16"]),
+    ],
+)
+def test_bad_start_is_refused_before_anything_is_written(
+    experiment, gpt2, tmp_path, capsys, sets, words
+):
+    (tmp_path / "empty").mkdir()
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    paths = {"empty": tmp_path / "empty", "llama": llama, "gpt2": gpt2[0]}
+    sets = [s.format(**paths) for s in sets]
+    argv = ["--config", experiment, "--workdir", str(tmp_path / "run")]
+    code = train_cli.main([*argv, *(a for s in [*QUIET, *sets] for a in ("--set", s))])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for word in words:
+        assert word in err, err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def _train(experiment, workdir, *sets) -> None:
+    argv = ["--config", experiment, "--workdir", str(workdir)]
+    code = train_cli.main([*argv, *(a for s in [*QUIET, *sets] for a in ("--set", s))])
+    assert code == 0
+
+
+def test_finetune_export_and_load_in_transformers(experiment, gpt2, tmp_path, capsys):
+    """A run from the checkpoint, trained two steps (float32) and exported: the same
+    logits in transformers (relative 1e-5) and the same greedy continuation; the run's
+    step 1 is a start of its own (``PATH@STEP``)."""
+    path, _ = gpt2
+    run = tmp_path / "run"
+    _train(experiment, run, f"model.init_from={path}", "train.checkpoint_every=1")
+    config_run, model = load_run(run)
+    assert type(model).__name__ == "SequenceModel" and model.tied
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+    ours = np.asarray(model(jnp.asarray(ids)), np.float64)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.double().numpy()
+    assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-5
+    prompt = ids[0, :4]
+    greedy = model.generate(jr.key(0), prompt, 8, temperature=0.0)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor(prompt[None]), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
+    np.testing.assert_array_equal(greedy, out[0, 4:].numpy())
+    # Exporting into the same directory again is allowed (ocformer wrote it).
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf"), "--step", "1"]) == 0
+    # Step 1 of the run as a start: its arrays, and the record names that step.
+    exp = build(config(experiment, f"model.init_from={run}@1"))
+    _, at_1 = load_run(run, 1)
+    assert exp.init_from["kind"] == "run" and exp.init_from["step"] == 1
+    for a, b in zip(jax.tree.leaves(exp.model), jax.tree.leaves(at_1)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    capsys.readouterr()
+
+
+def test_strang_rediscretisation_trains_and_is_not_exported(experiment, gpt2, tmp_path, capsys):
+    """Start from GPT-2, run it with Strang at two steps per layer, fine-tune: one
+    command; the export refuses it, naming the fields."""
+    run = tmp_path / "strang"
+    _train(
+        experiment,
+        run,
+        f"model.init_from={gpt2[0]}",
+        "discretisation.stepper=strang",
+        "discretisation.steps_per_layer=2",
+        "train.steps=1",
+    )
+    capsys.readouterr()
+    assert export_cli.main([str(run), "--to", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "discretisation.stepper='strang'" in err and "discretisation.steps_per_layer=2" in err
+    assert "only the standard discretisation" in err.lower()
+    assert not os.path.exists(tmp_path / "out")
