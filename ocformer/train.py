@@ -14,6 +14,7 @@ SIGTERM (checkpoint written).
 """
 
 import argparse
+import os
 import sys
 import types
 
@@ -48,6 +49,13 @@ def _parser() -> argparse.ArgumentParser:
         help="resume DIR even though the configuration differs from the one it holds "
         "(the change is recorded in DIR/config_history.jsonl)",
     )
+    p.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache (default: on, in "
+        "$OCFORMER_COMPILE_CACHE or ~/.cache/ocformer/jax; OCFORMER_COMPILE_CACHE=off "
+        "also turns it off)",
+    )
     group = p.add_argument_group("several processes (default: from SLURM or a TPU slice)")
     group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
@@ -78,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_enable_x64", True)
     from .distributed import DistributedError, initialize
     from .training import train
+    from .training._step import COMPILE_CACHE_ENV, enable_compile_cache
+
+    if args.no_compile_cache:
+        os.environ[COMPILE_CACHE_ENV] = "off"  # also for train(), which enables it
+    enable_compile_cache()  # before anything is compiled
 
     try:
         initialize(args.coordinator, args.num_processes, args.process_id)

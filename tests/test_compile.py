@@ -1,0 +1,68 @@
+"""One compiled training step per shape: runs that differ only in the schedule (steps,
+warmup, peak rate) share the step, across ``train()`` calls in a process; the learning
+rate of each update is computed on the device from the optimiser state."""
+
+import glob
+import os
+
+import numpy as np
+
+from ocformer.config import OptimiserConfig, resolve
+from ocformer.objective import Objective
+from ocformer.training import build, make_schedule, train
+from ocformer.training._optimiser import learning_rate_of, with_schedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+RUN = ["train.progress=false", "train.eval_every=100", "train.checkpoint_every=100"]
+
+
+def test_runs_differing_in_schedule_trace_the_step_once(tmp_path, monkeypatch):
+    """The objective is called only while a step is traced: the second run, with
+    other steps, warmup and peak rate, traces (and so compiles) nothing. Its
+    profile (train.profile_steps) is written as a trace TensorBoard and Perfetto read."""
+    traces = []
+    real = Objective.__call__
+
+    def counting(self, model, batch):
+        traces.append(1)
+        return real(self, model, batch)
+
+    monkeypatch.setattr(Objective, "__call__", counting)
+    first = resolve(SMOKE, [*RUN, "train.steps=2"])
+    summary = train(first, str(tmp_path / "a"))
+    assert summary["step"] == 2
+    assert len(traces) >= 2  # the training step and the evaluation step
+    assert 0.0 <= summary["data_wait_fraction"] < 1.0
+    traces.clear()
+    second = resolve(
+        SMOKE,
+        [*RUN, "train.steps=3", "optimiser.warmup_steps=1", "optimiser.learning_rate=1e-2",
+         "train.profile_steps=1:2"],
+    )  # fmt: skip
+    again = train(second, str(tmp_path / "b"))
+    assert again["step"] == 3 and np.isfinite(again["loss"])
+    assert traces == [], f"the second run traced the objective {len(traces)} times"
+    profiles = glob.glob(str(tmp_path / "b" / "profile" / "plugins" / "profile" / "*" / "*"))
+    assert any(p.endswith(".xplane.pb") for p in profiles), profiles
+    assert any(p.endswith(".trace.json.gz") for p in profiles), profiles
+
+
+def test_learning_rate_in_the_state_follows_the_schedule():
+    """The rate the optimiser applies after n updates is the schedule's value at n
+    (optax's warmup-cosine formula), and a new schedule keeps the count."""
+    config = resolve(SMOKE, ["optimiser.warmup_steps=4", "optimiser.learning_rate=1e-2"])
+    exp = build(config)
+    params = {"w": np.ones(3, np.float32)}
+    state = exp.optimiser.init(params)
+    grads = {"w": np.ones(3, np.float32)}
+    rates = []
+    for _ in range(6):
+        rates.append(learning_rate_of(state))
+        _, state = exp.optimiser.update(grads, state, params)
+    want = [float(make_schedule(config.optimiser, config.train.steps)(n)) for n in range(6)]
+    np.testing.assert_allclose(rates, want, rtol=1e-6)
+    np.testing.assert_allclose(rates[:5], [0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2], rtol=1e-6)
+    longer = with_schedule(state, OptimiserConfig(learning_rate=2e-2), 1000)
+    schedule = make_schedule(OptimiserConfig(learning_rate=2e-2), 1000)
+    np.testing.assert_allclose(learning_rate_of(longer), float(schedule(6)), rtol=1e-6)

@@ -1,0 +1,182 @@
+"""The precision policy: bfloat16 compute on float32 masters. The forward agrees with
+float32 to bfloat16's precision; layer-norm statistics, the softmax and the loss are
+computed in float32; parameters, optimiser state and checkpoints stay float32."""
+
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ocformer import train as cli
+from ocformer.checkpointing import CheckpointManager
+from ocformer.config import ConfigError, apply_overrides, load_experiment, resolve, validate
+from ocformer.objective import MixedPrecision, cross_entropy, in_precision
+from ocformer.operators import Attention, Grid, LayerNormProjection, normalise
+from ocformer.training import _loop, build, load_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+# The smoke experiment: a small pre-LN model (the default experiment's kind).
+SMALL = ["train.progress=false", "task.batch_size=8"]
+BF16 = jnp.dtype(jnp.bfloat16)
+F32 = jnp.dtype(jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def exp():
+    return build(resolve(SMOKE, SMALL))
+
+
+def _batch(exp):
+    return {k: jnp.asarray(v) for k, v in exp.task.batch("train", 0, 8, 0).items()}
+
+
+def test_bfloat16_forward_agrees_with_float32(exp):
+    batch = _batch(exp)
+    loss32, m32 = eqx.filter_jit(exp.objective)(exp.model, batch)
+    loss16, m16 = eqx.filter_jit(MixedPrecision(exp.objective, "bfloat16"))(exp.model, batch)
+    assert loss16.dtype == F32 and loss32.dtype == F32
+    # bfloat16 keeps 8 significant bits (unit roundoff 2^-8 = 3.9e-3); a few layers of
+    # rounded products leave the loss within 1% of float32's ...
+    rel = abs(float(loss16) - float(loss32)) / float(loss32)
+    assert rel < 1e-2, rel
+    # ... and it was computed in bfloat16 (float32 would agree to ~1e-7).
+    assert rel > 1e-5, rel
+    # The logits themselves, through the same model: within bfloat16's tolerance.
+    logits = _logits(exp.model, batch["inputs"])
+    logits16 = _logits(in_precision(exp.model, jnp.bfloat16), batch["inputs"])
+    assert logits16.dtype == BF16
+    err = np.max(np.abs(np.asarray(logits16, np.float32) - np.asarray(logits)))
+    assert err < 0.05 * float(np.max(np.abs(np.asarray(logits)))), err
+
+
+@eqx.filter_jit
+def _logits(model, inputs):
+    return model.readout(model.transformer(model.initial_state(inputs)))
+
+
+def _eqns(jaxpr):
+    """Every equation of a closed jaxpr, sub-jaxprs (jit, scan, while, custom rules)
+    included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def test_statistics_softmax_and_loss_are_float32_under_bfloat16(exp):
+    """In the jaxpr of the whole bfloat16 loss no reduction, exp, log or square root
+    runs in bfloat16: layer-norm means and variances, softmax normalisers and the
+    log-softmax of the loss are all float32. (The backward pass sums the bias and
+    position-embedding cotangents over the batch in bfloat16 before the cast back to
+    float32, as a flax model in bfloat16 does.)"""
+    batch = _batch(exp)
+    loss = MixedPrecision(exp.objective, "bfloat16")
+    jaxpr = jax.make_jaxpr(lambda m: loss(m, batch))(exp.model)
+    watched = {"reduce_sum", "reduce_max", "exp", "log", "sqrt", "rsqrt"}
+    seen: dict[str, set] = {}
+    for eqn in _eqns(jaxpr.jaxpr):
+        if eqn.primitive.name in watched:
+            dtypes = {v.aval.dtype for v in eqn.invars if hasattr(v.aval, "dtype")}
+            seen.setdefault(eqn.primitive.name, set()).update(dtypes)
+    assert {"reduce_sum", "exp", "log"} <= set(seen), seen
+    assert all(BF16 not in dtypes for dtypes in seen.values()), seen
+    # ... while the products do run in bfloat16.
+    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert any(v.aval.dtype == BF16 for e in dots for v in e.invars), "no bfloat16 product"
+
+
+def test_bfloat16_layer_norm_is_the_float32_one_rounded(rng):
+    """Computed in float32 and rounded once: bit for bit the float32 result of the same
+    (bfloat16) input, rounded to bfloat16. Statistics in bfloat16 would differ: the
+    tokens here have a large mean, whose bfloat16 sum loses the features' spread."""
+    v = jnp.asarray(100.0 + rng.standard_normal((4, 6, 64)), jnp.bfloat16)
+    p = build_norm(64)
+    got = LayerNormProjection(eps=1e-5)(p, v)
+    want = LayerNormProjection(eps=1e-5)(p, v.astype(jnp.float32)).astype(jnp.bfloat16)
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    plain = normalise(v, 1e-5)
+    np.testing.assert_array_equal(
+        np.asarray(plain, np.float32),
+        np.asarray(normalise(v.astype(jnp.float32), 1e-5).astype(jnp.bfloat16), np.float32),
+    )
+    # The statistic computed in bfloat16 is visibly off (so the test can fail).
+    naive_mean = jnp.mean(v, axis=-1)
+    exact_mean = jnp.mean(v.astype(jnp.float32), axis=-1)
+    assert float(jnp.max(jnp.abs(naive_mean.astype(jnp.float32) - exact_mean))) > 0.05
+
+
+def build_norm(d):
+    from ocformer.controls import NormParams
+
+    rng = np.random.default_rng(1)
+    return NormParams(
+        scale=jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.bfloat16),
+        bias=jnp.asarray(0.1 * rng.standard_normal(d), jnp.bfloat16),
+    )
+
+
+def test_integral_form_softmax_is_float32(exp):
+    """The literal quadrature (non-unit spacing) normalises its softmax in float32: the
+    result equals the float32 operator applied to the same bfloat16 projections to
+    bfloat16 accuracy, with the attention weights summing to one."""
+    layer = exp.model.transformer.layer(0).attention
+    p16 = in_precision(layer, jnp.bfloat16)
+    attention = Attention(num_heads=2, causal=True, grid=Grid(h_x=0.5, h_y=1.0))
+    u = jnp.asarray(np.random.default_rng(2).standard_normal((2, 16, 32)), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(attention)(p16, u)
+    exps = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name in ("exp", "reduce_sum")]
+    assert exps and all(e.invars[0].aval.dtype == F32 for e in exps)
+    out16 = attention(p16, u)
+    out32 = attention(in_precision(p16, jnp.float32), u.astype(jnp.float32))
+    assert out16.dtype == BF16
+    scale = float(jnp.max(jnp.abs(out32)))
+    assert float(jnp.max(jnp.abs(out16.astype(jnp.float32) - out32))) < 0.03 * scale
+
+
+def test_loss_is_float32_from_bfloat16_logits(rng):
+    logits = jnp.asarray(20 * rng.standard_normal((64, 50)), jnp.bfloat16)
+    targets = jnp.asarray(rng.integers(0, 50, 64))
+    loss, _ = cross_entropy(logits, targets)
+    ref = -np.mean(
+        jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)[np.arange(64), targets]
+    )
+    assert loss.dtype == F32
+    np.testing.assert_allclose(float(loss), ref, rtol=1e-6)
+
+
+def test_float64_compute_needs_float64_parameters():
+    config = apply_overrides(load_experiment(SMOKE), ["model.precision=float64"])
+    with pytest.raises(ConfigError, match=r"model.precision: float64 compute on float32"):
+        validate(config)
+
+
+def test_command_line_bfloat16_run_keeps_float32_state_and_checkpoints(tmp_path, monkeypatch):
+    """``--set model.precision=bfloat16`` runs the loss in bfloat16, and the
+    checkpoint (parameters and optimiser state after bfloat16 steps) is float32."""
+    seen = []
+    real = _loop.with_precision
+    monkeypatch.setattr(_loop, "with_precision", lambda o, c: seen.append(real(o, c)) or seen[-1])
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path), "--no-compile-cache"]
+    for o in ("train.progress=false", "train.steps=2", "train.eval_every=2",
+              "train.checkpoint_every=2", "optimiser.warmup_steps=0",
+              "model.precision=bfloat16"):  # fmt: skip
+        argv += ["--set", o]
+    assert cli.main(argv) == 0
+    assert seen and all(isinstance(o, MixedPrecision) and o.compute == "bfloat16" for o in seen)
+    marker = CheckpointManager(str(tmp_path / "checkpoints")).read_marker(2)
+    floats = {leaf["dtype"] for leaf in marker["leaves"] if "float" in leaf["dtype"]}
+    assert floats == {"float32"}, floats
+    paths = {leaf["path"].split("[")[0].split(".")[1] for leaf in marker["leaves"]}
+    assert {"params", "opt_state"} <= paths
+    # The bfloat16 updates did move the float32 masters.
+    _, model = load_run(tmp_path)
+    initial = build(resolve(SMOKE, ["optimiser.warmup_steps=0"])).model
+    assert not np.array_equal(np.asarray(model.readout.weight), np.asarray(initial.readout.weight))
