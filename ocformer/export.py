@@ -19,8 +19,7 @@ import os
 import sys
 
 from .checkpointing import CheckpointError
-from .config import Config, ConfigError
-from .config._schema import ControlsConfig, DiscretisationConfig, ModelConfig
+from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import to_pretrained
 from .training import ExitCode, WorkdirError, load_run
 

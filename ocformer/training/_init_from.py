@@ -20,8 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..config import Config, ConfigError
-from ..config._schema import ControlsConfig, ModelConfig
+from ..config import Config, ConfigError, ControlsConfig, ModelConfig
 from ..convert import from_pretrained
 from ..convert._pretrained import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
 from ..models import (
@@ -37,20 +36,6 @@ from ..operators import ConvAttention
 from ._rundir import RUN_MARKER
 
 FIELD = "model.init_from"
-# The sections and fields the source fixes; any other field may be set freely.
-ARCHITECTURE = (
-    ("model", "num_layers"),
-    ("model", "width"),
-    ("model", "num_heads"),
-    ("model", "hidden"),
-    ("model", "norm"),
-    ("model", "activation"),
-    ("model", "ln_eps"),
-    ("model", "final_norm"),
-    ("model", "attention"),
-    ("controls", "kind"),
-    ("controls", "norm_affine"),
-)
 _DEFAULTS = {"model": ModelConfig(), "controls": ControlsConfig()}
 
 
@@ -110,7 +95,8 @@ def read_checkpoint(source: Source, dtype) -> SequenceModel:
 
 
 def architecture(model: SequenceModel) -> dict[tuple[str, str], Any]:
-    """The configuration fields (``ARCHITECTURE``) that ``model`` fixes."""
+    """The configuration fields that ``model`` fixes, ``{(section, field): value}``; any
+    other field may be set freely."""
     t = model.transformer
     c = t.choices()
     layer = t.layer(0)
