@@ -33,6 +33,7 @@ class Tokens(AbstractTask):
 
     kind: ClassVar[Literal["lm"]] = "lm"
     num_classes: None = None
+    vocab_size: int
 
     def __init__(self, path: str | os.PathLike, seq_len: int):
         if not (isinstance(seq_len, int) and seq_len >= 1):
