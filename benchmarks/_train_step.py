@@ -122,8 +122,13 @@ def run(
     random_tokens: bool = False,
     peak_flop_per_s: float | None = None,
     seed: int = 0,
+    gradients=("stored",),
 ) -> dict:
-    """Time one training step of ocformer, flax (plain and remat) and PyTorch."""
+    """Time one training step of ocformer, flax (plain and remat) and PyTorch.
+
+    ``gradients``: further gradient methods (names of ``ocformer.integration.
+    GRADIENT_METHODS``) whose training step of the same model is timed too, as
+    ``ocformer_<name>`` (donated, like ``ocformer``)."""
     config = experiment_config(overrides)
     task, task_name = experiment_task(config, random_tokens)
     exp = build(config, task=task)
@@ -167,6 +172,33 @@ def run(
         Candidate("ocformer_loop_call", loop_run, loop_compile_s),
     ]
 
+    # The same model and optimiser with another gradient method: only the
+    # discretisation's gradient field differs, so the parameters are the same arrays.
+    gradient_info = {}
+    for gradient in gradients:
+        variant = build(
+            experiment_config([*overrides, f"discretisation.gradient={gradient}"]), task=task
+        )
+        variant_step = make_train_step(
+            variant.objective,
+            variant.constraints,
+            variant.optimiser,
+            skip_nonfinite=config.train.on_nonfinite == "skip",
+        )
+        v_opt_state = variant.optimiser.init(eqx.filter(variant.model, eqx.is_inexact_array))
+        v_jitted, v_params = donated(variant_step, variant.model)
+        v_compiled, v_compile_s = aot_compile(v_jitted, v_params, v_opt_state, batch)
+        v_loss = float(variant.objective(variant.model, batch)[1]["task_loss"])
+        name = f"ocformer_{gradient}"
+        candidates.append(
+            Candidate(
+                name,
+                _Stepper(v_compiled, (copy(v_params), copy(v_opt_state)), (batch,), 2),
+                v_compile_s,
+            )
+        )
+        gradient_info[gradient] = {"loss_rel_diff_vs_ocformer": _rel(v_loss, oc_loss)}
+
     flax_params = _flax_gpt.params_from_ocformer(exp.model)
     flax_info = {}
     for remat in (False, True):
@@ -206,6 +238,8 @@ def run(
         "compile_s": {c.name: c.compile_s for c in candidates if c.compile_s is not None},
         "ratio_vs_flax": med["ocformer"] / med["flax"],
         "ratio_vs_flax_remat": med["ocformer"] / med["flax_remat"],
+        "ratio_vs_flax_by_gradient": {g: med[f"ocformer_{g}"] / med["flax"] for g in gradient_info},
+        "gradients": gradient_info,
         "ratio_vs_torch": None if torch_best is None else med["ocformer"] / med[torch_best],
         "ratio_vs_torch_by_mode": {
             k.removeprefix("torch_"): med["ocformer"] / v

@@ -182,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "mode": mode_name,
         "train_step_ratio_vs_flax": step["ratio_vs_flax"],
         "train_step_ratio_vs_flax_remat": step["ratio_vs_flax_remat"],
+        "train_step_ratio_vs_flax_by_gradient": step["ratio_vs_flax_by_gradient"],
         "train_step_ratio_vs_torch": step["ratio_vs_torch"],
         "train_step_ratio_vs_torch_reason": torch_error,
         "ratio_vs_scan": headline["ratio_vs_scan"],
@@ -236,6 +237,10 @@ def format_summary(r: dict) -> str:
         + f"  [{s['compilations_while_timing']} compilations while timing]",
         f"train_step_ratio_vs_flax       {_fmt(r['train_step_ratio_vs_flax'])}",
         f"train_step_ratio_vs_flax_remat {_fmt(r['train_step_ratio_vs_flax_remat'])}",
+        *(
+            f"train_step_ratio_vs_flax ({g} gradient) {_fmt(v)}"
+            for g, v in r["train_step_ratio_vs_flax_by_gradient"].items()
+        ),
         f"train_step_ratio_vs_torch      {_fmt(r['train_step_ratio_vs_torch'])}"
         + (
             f"  ({r['train_step_ratio_vs_torch_reason']})"
