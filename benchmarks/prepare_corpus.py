@@ -4,11 +4,12 @@
 
 writes a deterministic corpus of ``--size`` bytes (words of a seeded vocabulary, drawn
 with Zipf-like frequencies, lines of about twelve words), then prepares it once per
-tokenizer in a fresh subprocess and reports wall time, MB/s (corpus bytes / wall time)
-and the subprocess's peak resident memory (``ru_maxrss`` of ``os.wait4``). The cost of
-starting the interpreter and importing ocformer (JAX included) is measured the same way
-and reported apart (``startup_s``, ``startup_rss_mb``); ``mb_per_s_after_startup``
-excludes it.
+tokenizer in a fresh subprocess and reports its wall time, MB/s (corpus bytes / wall
+time), the CPU seconds it used (user + system: on a machine shared with other work,
+this rather than the wall time is the cost) and its peak resident memory (``ru_maxrss``
+of ``os.wait4``). Starting the interpreter and importing ocformer (JAX included) is
+measured the same way and reported apart (``startup_s``, ``startup_cpu_s``,
+``startup_rss_mb``); ``mb_per_s_after_startup`` excludes it.
 """
 
 import argparse
@@ -56,8 +57,9 @@ def write_corpus(path: pathlib.Path, size: int, seed: int = 0) -> int:
     return written
 
 
-def run(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of ``cmd`` in a subprocess."""
+def run(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (user + system) and peak RSS (MB) of ``cmd`` in a
+    subprocess."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -65,7 +67,8 @@ def run(cmd: list[str]) -> tuple[float, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
-    return wall, usage.ru_maxrss / 1024  # ru_maxrss is in KiB on Linux
+    cpu = usage.ru_utime + usage.ru_stime
+    return wall, cpu, usage.ru_maxrss / 1024  # ru_maxrss is in KiB on Linux
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,10 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         size = write_corpus(corpus, parse_size(args.size))
         print(f"corpus: {size} bytes in {time.perf_counter() - started:.1f} s", flush=True)
-        startup_s, startup_rss = run([sys.executable, "-c", "import ocformer.tasks.prepare"])
+        startup_s, startup_cpu, startup_rss = run(
+            [sys.executable, "-c", "import ocformer.tasks.prepare"]
+        )
         results = {
             "corpus_bytes": size,
             "startup_s": round(startup_s, 2),
+            "startup_cpu_s": round(startup_cpu, 2),
             "startup_rss_mb": round(startup_rss, 1),
             "runs": [],
         }
@@ -97,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                    "--tokenizer", tokenizer, "--out", str(out), "--no-progress"]  # fmt: skip
             if args.chunk_bytes:
                 cmd += ["--chunk-bytes", str(args.chunk_bytes)]
-            wall, rss = run(cmd)
+            wall, cpu, rss = run(cmd)
             manifest = json.loads((out / "manifest.json").read_text())
             row = {
                 "tokenizer": tokenizer,
                 "wall_s": round(wall, 2),
+                "cpu_s": round(cpu, 2),
+                "mb_per_cpu_s": round(size / 1e6 / cpu, 2),
                 "mb_per_s": round(size / 1e6 / wall, 2),
                 "mb_per_s_after_startup": round(size / 1e6 / max(wall - startup_s, 1e-9), 2),
                 "peak_rss_mb": round(rss, 1),
