@@ -462,3 +462,22 @@ def test_to_pretrained_into_a_file_is_a_value_error(saved, tmp_path):
     assert not isinstance(info.value, FileExistsError)
     assert file.read_bytes() == b"not a directory"
     assert _siblings(file) == ["model.safetensors"]
+
+
+def test_to_pretrained_writes_extra_files_it_may_replace(saved, tmp_path):
+    """A tokenizer written with the checkpoint is ocformer's: listed in the marker, and
+    a later export into the directory is allowed; a bad name is refused unwritten."""
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text('{"model": {"type": "BPE"}}')
+    model, target = from_pretrained(saved["gpt2"][0]), tmp_path / "out"
+    to_pretrained(model, target, files={"tokenizer.json": tokenizer})
+    assert (target / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    marker = json.loads((target / "ocformer_export.json").read_text())
+    assert marker["files"] == ["tokenizer.json"]
+    to_pretrained(model, target)  # replaced whole: the tokenizer goes with the old export
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors",
+                                          "ocformer_export.json"]  # fmt: skip
+    for name in ("../tokenizer.json", "config.json"):
+        with pytest.raises(ValueError, match="plain file name"):
+            to_pretrained(model, tmp_path / "other", files={name: tokenizer})
+    assert not os.path.exists(tmp_path / "other")
