@@ -60,9 +60,10 @@ def test_learning_rate_in_the_state_follows_the_schedule():
     for _ in range(6):
         rates.append(learning_rate_of(state))
         _, state = exp.optimiser.update(grads, state, params)
-    want = [float(make_schedule(config.optimiser, config.train.steps)(n)) for n in range(6)]
+    schedule = make_schedule(config.optimiser, config.train.steps)
+    want = [float(np.asarray(schedule(n))) for n in range(6)]
     np.testing.assert_allclose(rates, want, rtol=1e-6)
     np.testing.assert_allclose(rates[:5], [0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2], rtol=1e-6)
     longer = with_schedule(state, OptimiserConfig(learning_rate=2e-2), 1000)
     schedule = make_schedule(OptimiserConfig(learning_rate=2e-2), 1000)
-    np.testing.assert_allclose(learning_rate_of(longer), float(schedule(6)), rtol=1e-6)
+    np.testing.assert_allclose(learning_rate_of(longer), float(np.asarray(schedule(6))), rtol=1e-6)

@@ -1,5 +1,8 @@
 """The optimal-control objective: terminal cost plus weighted running costs."""
 
+from collections.abc import Callable
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -78,7 +81,7 @@ class MixedPrecision(eqx.Module):
         compute: ``"float32"``, ``"bfloat16"`` or ``"float64"``.
     """
 
-    objective: eqx.Module
+    objective: Callable[..., tuple[Any, dict]]
     compute: str = eqx.field(static=True)
 
     def __check_init__(self):

@@ -53,7 +53,7 @@ def enable_compile_cache() -> str | None:
     choice = os.environ.get(COMPILE_CACHE_ENV, "").strip()
     if choice.lower() in _OFF and choice:
         return None
-    existing = jax.config.jax_compilation_cache_dir
+    existing = getattr(jax.config, "jax_compilation_cache_dir", None)
     if existing:
         return existing
     path = choice or default_compile_cache_dir()
