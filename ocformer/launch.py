@@ -54,6 +54,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _port_problem(port: int) -> str | None:
+    """Why process 0 cannot host the coordinator on ``port`` (checked before any process
+    starts), or None."""
+    if not 1 <= port <= 65535:
+        return f"--port {port} is not a port number (1..65535)"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return (
+                f"--port {port} is taken on this machine ({e.strerror}); the coordinator "
+                "of process 0 needs a free port: choose another --port, or leave it out to "
+                "use a free one"
+            )
+    return None
+
+
 def _prefix(stream, tag: str, out) -> None:
     for line in iter(stream.readline, b""):
         out.buffer.write(tag.encode() + line)
@@ -73,6 +90,10 @@ def local(
     code (0 when all finished, else the first failing process's code)."""
     if nproc < 1:
         return _fail(2, f"--nproc must be >= 1, got {nproc}")
+    if port is not None:
+        problem = _port_problem(port)
+        if problem is not None:
+            return _fail(2, problem)
     address = f"127.0.0.1:{port or _free_port()}"
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
@@ -252,6 +273,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv and {"-h", "--help"} & set(argv):
+        try:
+            _parser().parse_args(argv)  # prints the help
+        except SystemExit as e:
+            return int(e.code or 0)
     if "--" not in argv:
         return _fail(2, "give the training arguments after --, e.g. -- --config "
                      "experiments/smoke.py --workdir runs/smoke")  # fmt: skip

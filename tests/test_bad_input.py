@@ -386,3 +386,112 @@ def test_tokens_task_needs_a_path_and_checks_ids_of_a_large_dataset(dataset, tmp
         ValueError, match=r"train\.bin: token \d+ is id 7, not below the vocabulary size 7"
     ):
         task.batch("train", 0, 2, seed=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Command lines: each bad invocation exits with its code and a message naming the option,
+# and the folder it runs in comes out byte-for-byte unchanged.
+
+
+def _snapshot(directory) -> dict[str, bytes]:
+    """Every file under ``directory``: relative path -> its bytes."""
+    import os
+
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), directory)] = f.read()
+    return out
+
+
+def _in_a_process(module: str):
+    """The command line of ``module`` as a process (its output passed on)."""
+
+    def main(argv):
+        import subprocess
+        import sys
+
+        proc = subprocess.run(
+            [sys.executable, "-m", module, *argv], capture_output=True, text=True, timeout=120
+        )
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        return proc.returncode
+
+    return main
+
+
+def _launch_help(tmp_path, stack):
+    return _in_a_process("ocformer.launch"), ["--help"]
+
+
+def _launch_port_taken(tmp_path, stack):
+    import socket
+
+    holder = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    train = ["--config", "experiments/smoke.py", "--workdir", str(tmp_path / "run")]
+    argv = ["local", "--nproc", "2", "--port", str(port), "--", *train]
+    return _in_a_process("ocformer.launch"), argv
+
+
+def _convergence(*options):
+    def prepare(tmp_path, stack):
+        from ocformer.analysis import __main__ as analysis
+
+        return analysis.main, ["convergence", *options]
+
+    return prepare
+
+
+def _sweep_parallel_zero(tmp_path, stack):
+    smoke = SWEEPS / "smoke.py"
+    return _in_a_process("ocformer.sweep"), [
+        str(smoke),
+        "--workdir",
+        str(tmp_path / "sweep"),
+        "--parallel",
+        "0",
+    ]
+
+
+SWEEPS = __import__("pathlib").Path(__file__).resolve().parent.parent / "experiments" / "sweeps"
+
+BAD_COMMAND_LINES = [
+    ("launch --help", _launch_help, 0, ["usage: python -m ocformer.launch", "local", "slurm"]),
+    ("launch --port taken", _launch_port_taken, 2,
+     ["is taken on this machine", "choose another --port"]),
+    ("convergence --steps 0,4", _convergence("--steps", "0,4"), 2,
+     ["argument --steps: '0' is not a whole number of steps >= 1"]),
+    ("convergence --steps 4,abc", _convergence("--steps", "4,abc"), 2,
+     ["argument --steps: 'abc' is not a whole number"]),
+    ("convergence --schemes ''", _convergence("--schemes", ""), 2,
+     ["argument --schemes: no scheme given"]),
+    ("convergence --epsilons abc", _convergence("--epsilons", "abc"), 2,
+     ["argument --epsilons: 'abc' is not a finite number > 0"]),
+    ("sweep --parallel 0", _sweep_parallel_zero, 2, ["--parallel: must be >= 1", "got 0"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case, code, words", [b[1:] for b in BAD_COMMAND_LINES], ids=[b[0] for b in BAD_COMMAND_LINES]
+)
+def test_bad_command_line(case, code, words, tmp_path, monkeypatch, capsys):
+    import contextlib
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)  # the experiments' relative paths
+    with contextlib.ExitStack() as stack:
+        main, argv = case(tmp_path, stack)
+        before = _snapshot(tmp_path)
+        capsys.readouterr()
+        assert main(argv) == code
+    out, err = capsys.readouterr()
+    for word in words:
+        assert word in out + err, (word, out, err)
+    assert "Traceback" not in err, err
+    assert _snapshot(tmp_path) == before and os.listdir(tmp_path) == [], os.listdir(tmp_path)

@@ -9,6 +9,7 @@ Example:
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -16,18 +17,56 @@ import sys
 from ..checkpointing import atomic_write_text
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+def _listed(text: str, parse, what: str, example: str) -> list:
+    """Comma-separated values, each through ``parse``; at least one. Raises
+    ``argparse.ArgumentTypeError`` (argparse names the option) for a value that does not
+    parse or an empty list."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            values.append(parse(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not {what}; give comma-separated values, e.g. {example}"
+            ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"no values given; give e.g. {example}")
+    return values
+
+
+def _steps(text: str) -> list[int]:
+    """Steps per layer: positive integers."""
+
+    def parse(item: str) -> int:
+        value = int(item)
+        if value < 1:
+            raise ValueError(item)
+        return value
+
+    return _listed(text, parse, "a whole number of steps >= 1", "4,8,16,32,64")
 
 
 def _names(text: str) -> list[str]:
     """Comma-separated names; commas inside parentheses belong to the name, as in
     ``strang(1,0,2)``."""
-    return [m.strip() for m in re.findall(r"(?:[^,(]|\([^)]*\))+", text) if m.strip()]
+    names = [m.strip() for m in re.findall(r"(?:[^,(]|\([^)]*\))+", text) if m.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("no scheme given; give e.g. lie,strang")
+    return names
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+def _epsilons(text: str) -> list[float]:
+    """Positive, finite epsilons."""
+
+    def parse(item: str) -> float:
+        value = float(item)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(item)
+        return value
+
+    return _listed(text, parse, "a finite number > 0", "0.1,0.03,0.01")
 
 
 def _output_problem(path: str, option: str) -> str | None:
@@ -55,12 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument(
         "--schemes",
         default="lie,strang",
+        type=_names,
         help="comma-separated names; strang(1,0,2) is Strang with that sequence",
     )
-    conv.add_argument("--steps", default="4,8,16,32,64", help="steps per layer")
+    conv.add_argument(
+        "--steps", default="4,8,16,32,64", type=_steps, help="steps per layer (each >= 1)"
+    )
     conv.add_argument("--formulation", default="pre", choices=("pre", "projected", "relaxed"))
     conv.add_argument("--seed", type=int, default=0)
-    conv.add_argument("--epsilons", default="0.1,0.03,0.01,0.003,0.001")
+    conv.add_argument("--epsilons", default="0.1,0.03,0.01,0.003,0.001", type=_epsilons)
     conv.add_argument(
         "--relaxation-eps",
         type=float,
@@ -70,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     conv.add_argument("--json", dest="json_path", default=None, help="write the result here")
     conv.add_argument("--plot", default=None, help="write a log-log plot (PNG) here")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0), or a bad argument: argparse named it (2)
+        return int(e.code or 0)
     for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
         problem = None if path is None else _output_problem(path, option)
         if problem is not None:
@@ -85,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = convergence_study(
-            _names(args.schemes),
-            _ints(args.steps),
+            args.schemes,
+            args.steps,
             formulation=args.formulation,
             seed=args.seed,
-            epsilons=_floats(args.epsilons),
+            epsilons=args.epsilons,
             relaxation_eps=args.relaxation_eps,
         )
     except ValueError as err:

@@ -204,6 +204,8 @@ def run_sweep(
         SweepError: an invalid sweep, point, field or work directory (nothing ran).
     """
     stream = sys.stdout if stream is None else stream
+    if parallel < 1:
+        raise SweepError("--parallel", f"must be >= 1 (local worker processes), got {parallel}")
     if launcher not in ("local", "slurm"):
         raise SweepError("--launcher", f"expected local or slurm, got {launcher!r}")
     if launcher == "slurm" and executor is None and not dry_run:
