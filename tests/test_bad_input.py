@@ -495,3 +495,38 @@ def test_bad_command_line(case, code, words, tmp_path, monkeypatch, capsys):
         assert word in out + err, (word, out, err)
     assert "Traceback" not in err, err
     assert _snapshot(tmp_path) == before and os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
+def test_small_notebook_runs_never_rewrite_the_committed_notebooks(tmp_path, monkeypatch):
+    """notebooks/execute.py at the small size writes its .ipynb to a temporary folder;
+    only a full-size run (``make notebooks``) writes next to the .py."""
+    import importlib.util
+    import json
+    import tempfile
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "execute.py"
+    spec = importlib.util.spec_from_file_location("notebooks_execute", path)
+    assert spec is not None and spec.loader is not None
+    execute = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(execute)
+    folder = tmp_path / "notebooks"
+    folder.mkdir()
+    (folder / "tiny.py").write_text("# %%\nprint(6 * 7)\n")
+    monkeypatch.setattr(execute, "HERE", folder)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def printed(ipynb: Path) -> str:
+        cells = json.loads(ipynb.read_text())["cells"]
+        texts = [o["text"] for c in cells for o in c["outputs"] if "text" in o]
+        return "".join("".join(t) if isinstance(t, list) else t for t in texts)
+
+    monkeypatch.setenv("OCFORMER_NOTEBOOK_SMALL", "1")
+    assert execute.main(["tiny"]) == 0
+    assert not (folder / "tiny.ipynb").exists()
+    [small] = tmp_path.glob("ocformer-notebooks-*/tiny.ipynb")
+    assert printed(small) == "42\n"
+    monkeypatch.delenv("OCFORMER_NOTEBOOK_SMALL")
+    assert execute.main(["tiny"]) == 0
+    assert printed(folder / "tiny.ipynb") == "42\n"
+    assert execute.main(["nope"]) == 2  # no such notebook: nothing runs
