@@ -16,6 +16,7 @@ from ocformer import train as cli
 from ocformer.checkpointing import CheckpointManager, NonFiniteCheckpointError
 from ocformer.config import OptimiserConfig, resolve
 from ocformer.objective import Objective
+from ocformer.tasks import prepare_text
 from ocformer.training import (
     ExitCode,
     NonFiniteError,
@@ -55,6 +56,21 @@ def test_every_experiment_runs_a_few_steps(path, tmp_path):
         # The corpus comes from `make data`; the standard library stands in where it
         # has not been fetched, so the experiment's model and loop are still exercised.
         overrides.append("task.fallback=stdlib")
+    if path.endswith("shakespeare_bpe.py"):
+        # Its corpus is prepared from `make data`'s file; a tiny one stands in.
+        text = tmp_path / "corpus.txt"
+        text.write_text("To be, or not to be, that is the question.\n" * 400, encoding="utf-8")
+        prepare_text([str(text)], "bpe:300", tmp_path / "bpe", progress=False)
+        overrides = [o for o in overrides if o != "task.fallback=stdlib"]
+        overrides.append(f"task.path={tmp_path / 'bpe'}")
+        tmp_path = tmp_path / "run"
+    if path.endswith("finetune_rediscretise.py"):
+        # It starts from the default experiment's run; a two-step one stands in.
+        overrides += ["task.fallback=stdlib", "train.sample_tokens=5"]
+        source = os.path.join(ROOT, "experiments", "shakespeare_char.py")
+        train(resolve(source, overrides), str(tmp_path / "source"))
+        overrides.append(f"model.init_from={tmp_path / 'source'}")
+        tmp_path = tmp_path / "run"
     config = resolve(path, overrides)
     summary = train(config, str(tmp_path))
     assert summary["step"] == 2 and summary["resumed_from"] is None
