@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from ocformer import train as cli
 from ocformer.tasks import Tokens, make_task, prepare_text
 from ocformer.tasks._dataset import dtype_for
+from ocformer.tasks.prepare import main as prepare_main
 from ocformer.training import ExitCode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,6 +113,7 @@ def test_manifest_hashes_and_layout(corpus, tmp_path):
         assert record["sha256"] == sha(out / name)
         assert record["tokens"] * 2 == (out / name).stat().st_size == record["bytes"]
     assert not [p for p in tmp_path.iterdir() if p.name != "ds"]  # no temporary left
+    assert prepare_main(["verify", str(out)]) == 0
 
 
 def test_dtype_boundary_and_a_transformers_tokenizer_of_over_65536_symbols(tmp_path):
