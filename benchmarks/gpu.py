@@ -3,8 +3,10 @@
 bfloat16 compute with float32 master parameters and optimiser state. ocformer's model
 is the default experiment's kind (pre-LN, causal, GELU, final LayerNorm, AdamW with
 clipping) at GPT-2-small size, built through ``ocformer.config`` and
-``ocformer.training.build``; its training step casts the float32 parameters to
-bfloat16 inside the differentiated function, so gradients and updates stay float32.
+``ocformer.training.build`` with ``model.precision=bfloat16``; its loss is the training
+command's precision policy (``ocformer.objective.MixedPrecision``: the float32
+parameters cast to bfloat16 inside the differentiated function, layer-norm statistics,
+softmax and loss in float32), so gradients and updates stay float32.
 The flax reference (``_flax_gpt``, plain and ``nn.remat``) computes in bfloat16 from
 float32 parameters in the usual flax way (``dtype=bfloat16``). Reported: tokens/s,
 model FLOP/s and MFU against the GPU's dense bfloat16 peak (the FLOP convention of
@@ -28,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ocformer.objective import MixedPrecision
 from ocformer.training import build
 
 from . import _flax_gpt
@@ -61,6 +64,7 @@ def _peak_for(device_kind: str) -> float | None:
 
 def _overrides(size: dict, attention: str) -> list[str]:
     return [
+        "model.precision=bfloat16",
         f"model.attention_kernel={attention}",
         f"model.num_layers={size['layers']}",
         f"model.width={size['width']}",
@@ -71,17 +75,17 @@ def _overrides(size: dict, attention: str) -> list[str]:
     ]
 
 
-def _ocformer_step(exp, compute_dtype):
-    """``(params, opt_state, batch) -> (params, opt_state, loss)``: mixed precision,
-    donated, with the optimiser of the experiment."""
+def _ocformer_step(exp):
+    """``(params, opt_state, batch) -> (params, opt_state, loss)``: the precision policy
+    of the training command (``model.precision``), donated, with the optimiser of the
+    experiment."""
     params, static = eqx.partition(exp.model, eqx.is_array)
+    precision = exp.config.model.precision
+    objective = exp.objective if precision is None else MixedPrecision(exp.objective, precision)
 
     def loss_fn(params, batch):
-        low = jax.tree.map(
-            lambda x: x.astype(compute_dtype) if eqx.is_inexact_array(x) else x, params
-        )
-        loss, _ = exp.objective(eqx.combine(low, static), batch)
-        return loss.astype(jnp.float32)
+        loss, _ = objective(eqx.combine(params, static), batch)
+        return loss
 
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -119,7 +123,7 @@ def run(
     batch = {k: jnp.asarray(v) for k, v in task.batch("train", 0, size["batch"], 0).items()}
 
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-    oc_jit, oc_params = _ocformer_step(exp, compute_dtype)
+    oc_jit, oc_params = _ocformer_step(exp)
     oc_opt = exp.optimiser.init(oc_params)
     oc_compiled, oc_compile_s = aot_compile(oc_jit, oc_params, oc_opt, batch)
     candidates = [
@@ -202,7 +206,7 @@ def _peak_bytes(m) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0]
+        prog="python -m benchmarks.gpu", description=(__doc__ or "").split("\n")[0]
     )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument(

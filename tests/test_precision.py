@@ -131,7 +131,8 @@ def test_integral_form_softmax_is_float32(exp):
     layer = exp.model.transformer.layer(0).attention
     p16 = in_precision(layer, jnp.bfloat16)
     attention = Attention(num_heads=2, causal=True, grid=Grid(h_x=0.5, h_y=1.0))
-    u = jnp.asarray(np.random.default_rng(2).standard_normal((2, 16, 32)), jnp.bfloat16)
+    d = exp.model.transformer.width
+    u = jnp.asarray(np.random.default_rng(2).standard_normal((2, 16, d)), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(attention)(p16, u)
     exps = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name in ("exp", "reduce_sum")]
     assert exps and all(e.invars[0].aval.dtype == F32 for e in exps)
@@ -159,6 +160,7 @@ def test_float64_compute_needs_float64_parameters():
         validate(config)
 
 
+@pytest.mark.slow
 def test_command_line_bfloat16_run_keeps_float32_state_and_checkpoints(tmp_path, monkeypatch):
     """``--set model.precision=bfloat16`` runs the loss in bfloat16, and the
     checkpoint (parameters and optimiser state after bfloat16 steps) is float32."""
