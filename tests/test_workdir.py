@@ -172,6 +172,10 @@ def _nan_learning_rate(tmp_path, reference):
     return argv(tmp_path / "run", "optimiser.learning_rate=nan"), tmp_path
 
 
+def _batch_larger_than_memory(tmp_path, reference):
+    return argv(tmp_path / "run", "task.batch_size=1000000000"), tmp_path
+
+
 def _mesh_larger_than_the_devices(tmp_path, reference):
     return argv(tmp_path / "run", "mesh.data=3"), tmp_path
 
@@ -262,6 +266,10 @@ BAD_INPUTS = [
      ["optimiser.learning_rate: must be a finite number, got inf"]),
     ("learning rate nan", _nan_learning_rate, 2,
      ["optimiser.learning_rate: must be a finite number, got nan"]),
+    # 1e9 sequences x 16 tokens x (inputs, targets) x 8 bytes = 238.4 GiB.
+    ("batch larger than the memory", _batch_larger_than_memory, 2,
+     ["task.batch_size: a batch of 1000000000 sequences of 16 tokens needs about 238.4 GiB",
+      "of memory available on this machine"]),
     ("mesh.data=3 on one device", _mesh_larger_than_the_devices, 2,
      ["3 x 1 = 3 devices is larger than the 1 devices"]),
     ("bad --set syntax", _bad_set_syntax, 2, ["bad --set syntax"]),
@@ -415,6 +423,45 @@ def test_flipped_bytes_fall_back_to_the_previous_checkpoint(reference, tmp_path,
     assert numbers(read_metrics(workdir)) == numbers(read_metrics(reference))
     # The checkpoint written again holds the bytes the first one held.
     assert checkpoints.read_marker(STEPS)["sha256"] == saved
+
+
+def test_a_full_disk_is_one_message_and_leaves_no_partial_checkpoint(
+    reference, tmp_path, monkeypatch, capsys
+):
+    """orbax runs out of space part-way into the checkpoint of step 8 (its temporary
+    directory written): one message naming the directory and the space, exit 2, the
+    partial files removed and the checkpoint of step 4 kept."""
+    import errno
+
+    real = CheckpointManager._orbax
+
+    class FullDisk:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def save(self, target, payload):
+            if not target.endswith("step_8"):
+                return self.inner.save(target, payload)
+            partial = f"{target}.orbax-checkpoint-tmp-1234"
+            os.makedirs(partial)
+            with open(os.path.join(partial, "data"), "wb") as f:
+                f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), partial)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(CheckpointManager, "_orbax", lambda self: FullDisk(real(self)))
+    workdir = tmp_path / "run"
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 2
+    err = capsys.readouterr().err
+    checkpoints = workdir / "checkpoints"
+    assert f"no space left on the device of {checkpoints} while writing the checkpoint " in err
+    assert "of step 8: it needs about" in err and "MiB are free" in err
+    assert f"the previous checkpoint {checkpoints / 'step_4'} is intact" in err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(checkpoints)) == ["step_4"]
 
 
 def test_evaluate_refuses_a_checkpoint_whose_bytes_changed(reference, tmp_path, capsys):

@@ -9,5 +9,6 @@ from ._manager import (
     CheckpointError as CheckpointError,
     CheckpointManager as CheckpointManager,
     ChecksumMismatch as ChecksumMismatch,
+    DiskFullError as DiskFullError,
     NonFiniteCheckpointError as NonFiniteCheckpointError,
 )

@@ -19,6 +19,7 @@ whole arrays, not their layout, so it restores on any mesh and any number of pro
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -47,6 +48,19 @@ class CheckpointError(RuntimeError):
 class ChecksumMismatch(CheckpointError):
     """A committed checkpoint whose arrays read back with other bytes than were saved
     (their SHA-256 differs from the one its marker records)."""
+
+
+class DiskFullError(CheckpointError):
+    """No space left on the device while writing a checkpoint; what was written of it
+    has been removed and the previous checkpoint is intact."""
+
+
+def _no_space(e: BaseException) -> bool:
+    """Whether ``e`` (an OSError, or orbax's and tensorstore's wrapping of one) reports
+    a full device."""
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(e) or os.strerror(errno.ENOSPC) in str(e)
 
 
 class NonFiniteCheckpointError(ValueError):
@@ -205,6 +219,8 @@ class CheckpointManager:
         Raises:
             NonFiniteCheckpointError: if a floating leaf holds NaN or Inf (nothing is
                 written).
+            DiskFullError: no space left on the device (the partial save is removed;
+                the message names the directory, the space needed and the space free).
         """
         leaves, _ = jtu.tree_flatten(tree)
         # Arrays that span processes go to orbax as they are (each process writes its
@@ -222,6 +238,45 @@ class CheckpointManager:
             self._clear(target)
         _barrier(f"ocformer:checkpoint:{step}:cleared")
         payload = {f"{i:06d}": a for i, a in enumerate(arrays)}
+        try:
+            self._write(step, target, payload, spec, arrays, metadata)
+        except Exception as e:
+            if not _no_space(e):
+                raise
+            self._remove_partial(target)
+            need = sum(int(a.nbytes) for a in arrays)
+            free = shutil.disk_usage(self.directory).free
+            latest = self.latest()
+            kept = (
+                f"the previous checkpoint {self.path(latest)} is intact"
+                if latest is not None
+                else "no checkpoint has been written yet"
+            )
+            raise DiskFullError(
+                f"no space left on the device of {self.directory} while writing the "
+                f"checkpoint of step {step}: it needs about {need / 2**20:.1f} MiB and "
+                f"{free / 2**20:.1f} MiB are free. Its partial files were removed and "
+                f"{kept}; free some space there (or use another --workdir) and resume"
+            ) from None
+        _barrier(f"ocformer:checkpoint:{step}:committed")
+        return target
+
+    def _remove_partial(self, target: str) -> None:
+        """Delete what an interrupted save of ``target`` left: its directory and orbax's
+        temporary directories next to it (``<name>.orbax-checkpoint-tmp-*``)."""
+        if not _primary() or not os.path.isdir(self.directory):
+            return
+        name = os.path.basename(target)
+        for entry in os.listdir(self.directory):
+            if entry == name or entry.startswith(f"{name}.orbax-checkpoint-tmp"):
+                path = os.path.join(self.directory, entry)
+                marker = os.path.join(path, MARKER)
+                if os.path.exists(marker):
+                    os.remove(marker)
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _write(self, step: int, target: str, payload, spec, arrays, metadata) -> None:
+        """orbax's save of ``payload`` to ``target``, then the commit marker."""
         self._orbax().save(target, payload)
         if _primary():
             record = {
@@ -234,8 +289,6 @@ class CheckpointManager:
             }
             atomic_write_text(os.path.join(target, MARKER), json.dumps(record))
             self._prune()
-        _barrier(f"ocformer:checkpoint:{step}:committed")
-        return target
 
     def _clear(self, target: str) -> None:
         os.makedirs(self.directory, exist_ok=True)

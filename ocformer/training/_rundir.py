@@ -25,7 +25,7 @@ from ..checkpointing import (
     atomic_write_text,
     remove_stale_temporaries,
 )
-from ..config import Config, to_dict
+from ..config import Config, ConfigError, to_dict
 from ._errors import ConfigChanged, WorkdirError
 from ._lock import LOCK_FILE, DirectoryLock
 from ._metrics import MetricsLog, TensorBoard, rewind_samples
@@ -62,6 +62,60 @@ def config_changes(stored: dict, config: Config) -> dict[str, tuple]:
         for k in keys
         if old.get(k) != new.get(k) and k not in PRESENTATION_FIELDS
     }
+
+
+_GIB = float(2**30)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this process can still use (Linux's MemAvailable), or None
+    where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def batch_memory(config: Config) -> tuple[int, int]:
+    """Rough bytes of one training batch ``(tokens, activations)``: its inputs and
+    targets as int64, and the states a step keeps for the backward pass (per token,
+    step and layer: queries, keys, values and output of width d, the feed-forward
+    hidden units and each head's attention row), in the model's dtype."""
+    t, m, d = config.task, config.model, config.discretisation
+    tokens = t.batch_size * t.seq_len
+    itemsize = 8 if m.dtype == "float64" else 4
+    per_token = 4 * m.width + m.hidden + m.num_heads * t.seq_len
+    activations = tokens * m.num_layers * d.steps_per_layer * per_token * itemsize
+    return 2 * 8 * tokens, activations
+
+
+def check_memory(config: Config, available: int | None = None) -> None:
+    """Refuse a batch that cannot fit in this machine's memory, before anything is
+    built or written (instead of a NumPy allocation error part-way into the run).
+
+    Raises:
+        ConfigError: (``task.batch_size``) with the estimate and the memory available.
+    """
+    available = available_memory() if available is None else available
+    if available is None:
+        return
+    batch, activations = batch_memory(config)
+    if batch + activations > available:
+        t = config.task
+        raise ConfigError(
+            "task.batch_size",
+            f"a batch of {t.batch_size} sequences of {t.seq_len} tokens needs about "
+            f"{batch / _GIB:.1f} GiB for its tokens and {activations / _GIB:.1f} GiB for "
+            f"the model's activations (roughly), more than the {available / _GIB:.1f} GiB "
+            "of memory available on this machine; lower task.batch_size (or task.seq_len)",
+        )
 
 
 def _version() -> str | None:
@@ -157,7 +211,11 @@ class RunDirectory:
         Returns:
             The changed fields (``{dotted: (stored, new)}``) when resuming with an
             allowed configuration change, else ``{}``.
+
+        Raises:
+            ConfigError: a batch larger than this machine's memory (``check_memory``).
         """
+        check_memory(config)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise WorkdirError(
                 f"work directory {self.path} is a file, not a directory; choose another --workdir"
