@@ -291,3 +291,32 @@ def test_kinetic_energy_comes_from_the_solve_of_the_loss(norm, monkeypatch):
     assert abs(float(metrics["task_loss"]) - float(plain["task_loss"])) < 1e-12
     expect = float(plain_loss) + 0.5 * float(metrics["kinetic_energy"])
     assert abs(float(loss) - expect) < 1e-12 and float(metrics["kinetic_energy"]) > 0.01
+
+
+def test_prefetch_keeps_order_raises_in_the_loop_and_stops():
+    """Batches come in order whatever the producer's timing; an error making batch n
+    is raised when batch n is asked for (not before); closing stops a producer that
+    waits on a full queue."""
+    import threading
+    import time
+
+    made = []
+
+    def produce(n):
+        time.sleep(0.01 * (n % 3))
+        if n == 5:
+            raise FileNotFoundError("batch 5 is missing")
+        made.append(n)
+        return {"n": n}
+
+    with _loop._Prefetch(produce, 2, 9, depth=2) as prefetch:
+        assert [prefetch.get(n)["n"] for n in (2, 3, 4)] == [2, 3, 4]
+        with pytest.raises(FileNotFoundError, match="batch 5 is missing"):
+            prefetch.get(5)
+    assert made == [2, 3, 4]
+    assert prefetch.wait_s > 0
+    blocked = _loop._Prefetch(lambda n: n, 0, 1000, depth=1)
+    time.sleep(0.1)  # the producer fills the queue and waits
+    blocked.close()
+    assert not blocked.thread.is_alive()
+    assert not any(t.name == "ocformer-prefetch" and t.is_alive() for t in threading.enumerate())

@@ -18,5 +18,4 @@ from ._running import (
     grid_saveat as grid_saveat,
     kinetic_energy as kinetic_energy,
     kinetic_energy_of_states as kinetic_energy_of_states,
-    time_dtype as time_dtype,
 )

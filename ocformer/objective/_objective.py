@@ -16,7 +16,6 @@ from ._running import (
     control_smoothness,
     grid_saveat,
     kinetic_energy_of_states,
-    time_dtype,
 )
 
 
@@ -73,8 +72,8 @@ class MixedPrecision(eqx.Module):
     masters' dtype. What half precision would spoil stays in float32 (as flax does):
     layer-norm means and variances (``ocformer.operators.normalise``), the attention
     softmax, the cross-entropy and its log-softmax (``cross_entropy``), and times (the
-    time grid and the controls' layer index, ``time_dtype``). The loss and the metrics
-    are returned in float32 or wider.
+    time grid and the controls' layer index, ``ocformer.integration.time_dtype``). The
+    loss and the metrics are returned in float32 or wider.
 
     Args:
         objective: the ``Objective`` (or any ``(model, batch) -> (loss, metrics)``).
@@ -174,7 +173,7 @@ def _forward(
     ``with_kinetic``, the kinetic energy of the same trajectory: one solve."""
     if not with_kinetic:
         return transformer(u0, key_mask), None
-    ts, _ = time_grid(transformer.control, transformer.steps_per_layer, time_dtype(u0.dtype))
+    ts, _ = time_grid(transformer.control, transformer.steps_per_layer, u0.dtype)
     ys = transformer.solve(u0, key_mask, saveat=grid_saveat(ts)).ys
     assert ys is not None
     kinetic = kinetic_energy_of_states(ts, ys, transformer.attention.grid.h_y, key_mask)

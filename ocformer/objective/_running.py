@@ -7,7 +7,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Bool, Float
 
 from ..controls import AbstractControl, Constant, PiecewiseConstant
-from ..integration import time_grid
+from ..integration import time_dtype, time_grid
 from ..models._transformer import ContinuousTransformer
 
 
@@ -103,7 +103,7 @@ def kinetic_energy(
     discrete trajectory, projections included. ``Objective`` takes the same states from
     the solve that gives its terminal cost, so that the cost needs no extra solve.
     """
-    ts, _ = time_grid(transformer.control, transformer.steps_per_layer, time_dtype(u0.dtype))
+    ts, _ = time_grid(transformer.control, transformer.steps_per_layer, u0.dtype)
     ys = transformer.solve(u0, key_mask, saveat=grid_saveat(ts)).ys
     assert ys is not None
     return kinetic_energy_of_states(ts, ys, transformer.attention.grid.h_y, key_mask)
@@ -112,12 +112,3 @@ def kinetic_energy(
 def _float_dtype(control: AbstractControl):
     leaves = [x for x in jtu.tree_leaves(control) if jnp.issubdtype(x.dtype, jnp.floating)]
     return time_dtype(leaves[0].dtype)
-
-
-def time_dtype(dtype) -> jnp.dtype:
-    """The dtype of times and time grids for states of ``dtype``: at least float32.
-
-    A bfloat16 grid cannot hold the layer grid (8 bits of mantissa: 64 layers of 4
-    steps put step times on the neighbouring layer's controls), so times never follow
-    a half-precision state down."""
-    return jnp.promote_types(dtype, jnp.float32)
