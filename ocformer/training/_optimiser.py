@@ -112,7 +112,7 @@ def with_schedule(opt_state, cfg: OptimiserConfig, total_steps: int):
         if not _is_schedule(node):
             return node
         return node._replace(
-            **{k: np.asarray(v, np.asarray(getattr(node, k)).dtype) for k, v in numbers.items()}
+            **{k: jnp.asarray(v, jnp.asarray(getattr(node, k)).dtype) for k, v in numbers.items()}
         )
 
     return jax.tree.map(replace, opt_state, is_leaf=_is_schedule)
