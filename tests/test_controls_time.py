@@ -183,10 +183,11 @@ def test_bfloat16_state_is_solved_on_a_float32_grid_and_cast_back():
     )
     u0 = jr.normal(jr.PRNGKey(5), (3, 4), jnp.bfloat16)
     sol = model.solve(u0, saveat=diffrax.SaveAt(t0=True, steps=True))
+    assert sol.ys is not None and sol.ts is not None
     assert sol.ys.dtype == jnp.bfloat16 and sol.ts.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(sol.ts), np.linspace(0, 64, 257, dtype=np.float32))
     reference = model.solve(u0.astype(jnp.float32)).ys
-    assert reference.dtype == jnp.float32
+    assert reference is not None and reference.dtype == jnp.float32
     np.testing.assert_array_equal(
         np.asarray(sol.ys[-1].astype(jnp.float32)),
         np.asarray(reference[-1].astype(jnp.bfloat16).astype(jnp.float32)),
