@@ -464,6 +464,39 @@ def test_a_full_disk_is_one_message_and_leaves_no_partial_checkpoint(
     assert sorted(os.listdir(checkpoints)) == ["step_4"]
 
 
+def test_orbax_on_a_full_tmpfs_is_one_error_and_leaves_no_temporaries(tmp_path, capfd):
+    """The real thing where the machine allows it (root, mount): a 256 KiB tmpfs, a
+    first checkpoint that fits and a 0.8 MiB one that does not."""
+    import subprocess
+
+    import numpy as np
+
+    from ocformer.checkpointing import DiskFullError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        manager = CheckpointManager(str(disk / "checkpoints"))
+        manager.save(1, [np.zeros(10, np.float32)])
+        big = np.random.default_rng(0).standard_normal(200_000).astype(np.float32)
+        capfd.readouterr()
+        with pytest.raises(DiskFullError) as e:
+            manager.save(2, [big])
+        manager.close()
+        message = str(e.value)
+        assert f"no space left on the device of {disk / 'checkpoints'}" in message
+        assert f"it needs about {big.nbytes / 2**20:.1f} MiB" in message
+        assert f"the previous checkpoint {disk / 'checkpoints' / 'step_1'} is intact" in message
+        assert sorted(os.listdir(disk / "checkpoints")) == ["step_1"]
+        assert "No space left" not in capfd.readouterr().err  # orbax's own logs dropped
+        assert manager.restore(1, [np.ones(10, np.float32)])[0].tolist() == [0.0] * 10
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_evaluate_refuses_a_checkpoint_whose_bytes_changed(reference, tmp_path, capsys):
     from ocformer import evaluate
 

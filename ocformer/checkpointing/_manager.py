@@ -22,6 +22,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -61,6 +62,25 @@ def _no_space(e: BaseException) -> bool:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return True
     return "No space left on device" in str(e) or os.strerror(errno.ENOSPC) in str(e)
+
+
+class _NoSpaceFilter(logging.Filter):
+    """Drops orbax's log records of a full device (its writer threads log the error
+    with a traceback before the save raises it): ``DiskFullError`` reports it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No space left on device" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_when_full():
+    logger = logging.getLogger("absl")
+    f = _NoSpaceFilter()
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
 
 
 class NonFiniteCheckpointError(ValueError):
@@ -277,7 +297,8 @@ class CheckpointManager:
 
     def _write(self, step: int, target: str, payload, spec, arrays, metadata) -> None:
         """orbax's save of ``payload`` to ``target``, then the commit marker."""
-        self._orbax().save(target, payload)
+        with _quiet_when_full():
+            self._orbax().save(target, payload)
         if _primary():
             record = {
                 "step": step,
