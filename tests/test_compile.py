@@ -67,3 +67,33 @@ def test_learning_rate_in_the_state_follows_the_schedule():
     longer = with_schedule(state, OptimiserConfig(learning_rate=2e-2), 1000)
     schedule = make_schedule(OptimiserConfig(learning_rate=2e-2), 1000)
     np.testing.assert_allclose(learning_rate_of(longer), float(np.asarray(schedule(6))), rtol=1e-6)
+
+
+def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
+    """The cache lives under $XDG_CACHE_HOME/ocformer/jax (else ~/.cache); the
+    environment turns it off; a directory JAX was already given is kept."""
+    import jax
+
+    from ocformer.training._step import (
+        COMPILE_CACHE_ENV,
+        default_compile_cache_dir,
+        enable_compile_cache,
+    )
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_compile_cache_dir() == str(tmp_path / "ocformer" / "jax")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_compile_cache_dir() == str(tmp_path / "home" / ".cache" / "ocformer" / "jax")
+    monkeypatch.setenv(COMPILE_CACHE_ENV, "off")
+    assert enable_compile_cache() is None
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "mine"))
+    previous = getattr(jax.config, "jax_compilation_cache_dir", None)
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "given"))
+        assert enable_compile_cache() == str(tmp_path / "given")
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert enable_compile_cache() == str(tmp_path / "mine")
+        assert getattr(jax.config, "jax_compilation_cache_dir", None) == str(tmp_path / "mine")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
