@@ -183,7 +183,7 @@ def run(
             variant.objective,
             variant.constraints,
             variant.optimiser,
-            skip_nonfinite=config.train.on_nonfinite == "skip",
+            skip_nonfinite=True,  # as the step above
         )
         v_opt_state = variant.optimiser.init(eqx.filter(variant.model, eqx.is_inexact_array))
         v_jitted, v_params = donated(variant_step, variant.model)
