@@ -17,6 +17,8 @@ from .integration import (
     Discretisation as Discretisation,
     DiscretiseThenOptimise as DiscretiseThenOptimise,
     OptimiseThenDiscretise as OptimiseThenDiscretise,
+    StoredDots as StoredDots,
+    StoredResiduals as StoredResiduals,
 )
 from .models import (
     ContinuousTransformer as ContinuousTransformer,
