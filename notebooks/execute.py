@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jupytext
 import nbclient
+from nbclient.exceptions import CellExecutionError
 
 from ocformer.checkpointing import atomic_write_text
 
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> int:
         )
         try:
             client.execute()
-        except nbclient.exceptions.CellExecutionError as e:
+        except CellExecutionError as e:
             print(f"{name}: a cell failed\n{e}", file=sys.stderr)
             return 1
         # Written whole or not at all (a kill never leaves a torn .ipynb), ending in a
