@@ -12,7 +12,8 @@ a run of several processes every process runs it: each transfers only its own ro
 batch $n$ to its devices, process 0 alone writes logs and samples, checkpoints are
 written together, and a stop on SIGTERM is agreed at the same step by all of them.
 
-The loop does not wait for the device between steps: batches are prepared ahead by a
+In a single process the loop does not wait for the device between steps (a run of
+several processes stays synchronous, see ``train``): batches are prepared ahead by a
 background thread (``_Prefetch``, in order, placed on the devices), the learning rate
 is computed on the device from the optimiser state, and the metrics and finiteness
 flags of each step stay on the device until a step that logs, evaluates, checkpoints
@@ -50,10 +51,6 @@ from ._step import FINITE_SOURCES, enable_compile_cache, make_eval_step, make_tr
 
 # Batches prepared ahead of the step that uses them.
 PREFETCH_DEPTH = 4
-# In a run of several processes, how often (in steps) they agree whether to stop on
-# SIGTERM: a query across processes, so not every step. A single process checks its
-# own flag every step.
-STOP_CHECK_EVERY = 10
 
 
 def _solver_message(error: Exception) -> str:
@@ -136,11 +133,13 @@ class _Prefetch:
 
     def __init__(self, produce: Callable[[int], Any], first: int, last: int, depth: int):
         self.produce, self.first, self.last = produce, first, last
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self.stopped = threading.Event()
         self.wait_s = 0.0
         self.thread = threading.Thread(target=self._run, name="ocformer-prefetch", daemon=True)
-        self.thread.start()
+        self.inline = depth == 0  # no thread: each batch is made when asked for
+        if not self.inline:
+            self.thread.start()
 
     def _put(self, item) -> bool:
         while not self.stopped.is_set():
@@ -163,6 +162,11 @@ class _Prefetch:
 
     def get(self, n: int):
         t = time.perf_counter()
+        if self.inline:
+            try:
+                return self.produce(n)
+            finally:
+                self.wait_s += time.perf_counter() - t
         got, batch, error = self.queue.get()
         self.wait_s += time.perf_counter() - t
         if error is not None:
@@ -177,7 +181,8 @@ class _Prefetch:
                 self.queue.get_nowait()
             except queue.Empty:
                 break
-        self.thread.join(timeout=10.0)
+        if not self.inline:
+            self.thread.join(timeout=10.0)
 
     def __enter__(self) -> "_Prefetch":
         return self
@@ -197,6 +202,15 @@ class _Pending:
     def add(self, step: int, finite, metrics: dict) -> None:
         self.flags.append((step, finite))
         self.metrics = metrics
+
+    def check_finished(self) -> None:
+        """Wait for the newest step to finish (raising ``SolverFailure`` if it failed)."""
+        if self.flags:
+            step, finite = self.flags[-1]
+            try:
+                jax.block_until_ready(finite)
+            except eqx.EquinoxRuntimeError as e:
+                raise SolverFailure(step, _solver_message(e)) from None
 
     def check(self) -> tuple[list[tuple[int, str]], dict]:
         """``(bad, metrics)``: the non-finite steps with their first non-finite source,
@@ -392,7 +406,10 @@ def train(
             return place(exp.task.batch("train", n, config.task.batch_size, tc.seed))
 
         loop_started = time.perf_counter()
-        prefetch = _Prefetch(produce, step, tc.steps, PREFETCH_DEPTH)
+        # A run of several processes stays synchronous (batches made in the loop, flags
+        # fetched and the stop agreed every step): its steps are programs across
+        # processes, which must not overlap with the stop query's.
+        prefetch = _Prefetch(produce, step, tc.steps, 0 if several else PREFETCH_DEPTH)
         with bar, prefetch, PreemptionGuard(tc.preempt_grace_s) as guard:
             try:
                 while step < tc.steps:
@@ -411,13 +428,13 @@ def train(
                     # Every process stops at the same step (a checkpoint is written
                     # together); processes agree on it at a bounded cadence.
                     if several:
-                        agree = step % STOP_CHECK_EVERY == 0 or logged
-                        stopping = agree and layout.any_process(guard.requested)
+                        pending.check_finished()
+                        stopping = layout.any_process(guard.requested)
                     else:
                         stopping = guard.requested
                     stopping = stopping and step < tc.steps
                     saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
-                    if logged or saving:
+                    if logged or saving or several:
                         bad, values = pending.check()
                         if bad and tc.on_nonfinite == "abort":
                             raise NonFiniteError(bad[0][0], bad[0][1], run.checkpoint)
