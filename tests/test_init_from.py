@@ -158,6 +158,12 @@ def test_finetune_export_and_load_in_transformers(experiment, gpt2, tmp_path, ca
     _train(experiment, run, f"model.init_from={path}", "train.checkpoint_every=1")
     config_run, model = load_run(run)
     assert type(model).__name__ == "SequenceModel" and model.tied
+    # The work directory records where the run started.
+    started = json.loads((run / "run.json").read_text())["init_from"]
+    assert started == build(config_run).init_from and started["kind"] == "checkpoint"
+    assert started["path"] == os.path.abspath(path) and all(
+        len(h) == 64 for h in started["sha256"].values()
+    )
     assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     ids = np.random.default_rng(0).integers(0, VOCAB, (2, 12))

@@ -115,6 +115,13 @@ def test_outputs_resume_and_summary(tmp_path, capsys):
     assert again["resumed_from"] == 6 and again["step"] == 6
     assert again["val_loss"] == first["val_loss"]
     assert read_metrics(tmp_path) == records
+    # run.json describes the newest start and keeps the earlier one.
+    with open(tmp_path / "run.json", encoding="utf-8") as f:
+        resumed = json.load(f)
+    assert resumed["resumed_from_step"] == 6 and resumed["init_from"] is None
+    (earlier,) = resumed["earlier_starts"]
+    assert earlier["command"] == "prog --flag" and earlier["resumed_from_step"] is None
+    assert earlier["started"] == info["started"] and "config" not in earlier
 
 
 def _checkpoint_arrays(workdir, step):

@@ -369,7 +369,12 @@ def train(
     with run:
         initial = _initial_tree(exp)
         resumed_from, restored = run.start(
-            config, initial, keep_checkpoints=tc.keep_checkpoints, changes=changes, argv=argv
+            config,
+            initial,
+            keep_checkpoints=tc.keep_checkpoints,
+            changes=changes,
+            argv=argv,
+            init_from=exp.init_from,
         )
         model, opt_state, key, step, skipped = _from_tree(exp, restored or initial)
         # The schedule of this configuration (a resumed run may have changed it); the

@@ -282,9 +282,13 @@ class RunDirectory:
         keep_checkpoints: int,
         changes: dict[str, tuple] | None = None,
         argv: list[str] | None = None,
+        init_from: dict | None = None,
     ):
         """Claim the directory, restore its newest checkpoint into the structure of
         ``template``, record the run, and rewind the logs to the restored step.
+
+        ``init_from`` (where a fresh model came from: ``Experiment.init_from``) goes
+        into ``run.json``; each start's record is kept there, the newest first.
 
         Returns:
             ``(step, restored)``: the restored step and tree, or ``(None, None)`` for a
@@ -318,7 +322,7 @@ class RunDirectory:
                 f"{self.config_path} was missing; the configuration was recovered from "
                 f"checkpoint {self._config_recovered_from} and is written back"
             )
-        self._record(config, argv, step, changes or {})
+        self._record(config, argv, step, changes or {}, init_from)
         self._continue_logs(config, step)
         return step, restored
 
@@ -388,7 +392,7 @@ class RunDirectory:
         # fold back on resume.
         self._tb = TensorBoard(self.tb_path, purge_step=(step or 0) + 1 if has_events else None)
 
-    def _record(self, config: Config, argv, resumed_from, changes: dict) -> None:
+    def _record(self, config: Config, argv, resumed_from, changes: dict, init_from) -> None:
         resolved = to_dict(config)
         if changes:
             entry = {
@@ -413,10 +417,25 @@ class RunDirectory:
             "versions": package_versions(),
             "git": git_revision(),
             "platform": platform_info(),
+            "init_from": init_from,
             "config": resolved,
         }
+        # A resumed run keeps the records of the earlier starts (without their config,
+        # which config.json and config_history.jsonl hold).
+        run_json = os.path.join(self.path, "run.json")
+        earlier = []
+        if resumed_from is not None and os.path.exists(run_json):
+            try:
+                with open(run_json, encoding="utf-8") as f:
+                    previous = json.load(f)
+                earlier = previous.pop("earlier_starts", [])
+                previous.pop("config", None)
+                earlier = [previous, *earlier]
+            except (OSError, ValueError):
+                earlier = []  # an unreadable record is replaced, not fatal
+        info["earlier_starts"] = earlier
         atomic_write_text(self.config_path, json.dumps(resolved, indent=2))
-        atomic_write_text(os.path.join(self.path, "run.json"), json.dumps(info, indent=2))
+        atomic_write_text(run_json, json.dumps(info, indent=2))
 
     def log(self, step: int, record: dict) -> None:
         """One line of ``metrics.jsonl`` and its TensorBoard scalars (process 0 only)."""
