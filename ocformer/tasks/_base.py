@@ -28,6 +28,16 @@ def check_batch_args(index: int, batch_size: int, seed: int) -> None:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
 
 
+def check_token_ids(tokens, vocab_size: int) -> np.ndarray:
+    """``tokens`` as an array, after checking that every id lies in [0, vocab_size)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(
+            f"Token ids must lie in [0, {vocab_size}), got range [{tokens.min()}, {tokens.max()}]."
+        )
+    return tokens
+
+
 def batch_rng(split: str, index: int, seed: int) -> np.random.Generator:
     """The generator of batch ``index`` of ``split``: seeded by (seed, split, index) alone,
     so a batch is a pure function of its arguments and a resumed run sees the same data."""

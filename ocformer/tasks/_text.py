@@ -6,7 +6,14 @@ from typing import ClassVar, Literal, final
 
 import numpy as np
 
-from ._base import AbstractTask, DataNotFoundError, batch_rng, check_batch_args, check_split
+from ._base import (
+    AbstractTask,
+    DataNotFoundError,
+    batch_rng,
+    check_batch_args,
+    check_split,
+    check_token_ids,
+)
 from ._corpus import (
     SHAKESPEARE_FILE,
     check_shakespeare,
@@ -55,12 +62,7 @@ class CharCorpus:
         return idx.astype(np.int32)
 
     def decode(self, tokens) -> str:
-        tokens = np.asarray(tokens)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            raise ValueError(
-                f"Token ids must lie in [0, {self.vocab_size}), got range "
-                f"[{tokens.min()}, {tokens.max()}]."
-            )
+        tokens = check_token_ids(tokens, self.vocab_size)
         return "".join(chr(c) for c in self.symbols[tokens.astype(np.int64)])
 
     def windows(self, split: str, index: int, batch_size: int, seed: int, seq_len: int):

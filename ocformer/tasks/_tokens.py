@@ -5,7 +5,7 @@ from typing import ClassVar, Literal, final
 
 import numpy as np
 
-from ._base import AbstractTask, batch_rng, check_batch_args, check_split
+from ._base import AbstractTask, batch_rng, check_batch_args, check_split, check_token_ids
 from ._dataset import DatasetError, open_dataset
 
 
@@ -85,12 +85,7 @@ class Tokens(AbstractTask):
 
     def decode(self, tokens) -> str:
         """The text of token ids ``tokens``."""
-        tokens = np.asarray(tokens)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            raise ValueError(
-                f"Token ids must lie in [0, {self.vocab_size}), got range "
-                f"[{tokens.min()}, {tokens.max()}]."
-            )
+        tokens = check_token_ids(tokens, self.vocab_size)
         return self.dataset.tokenizer.decode(
             [int(t) for t in tokens.reshape(-1)], skip_special_tokens=False
         )
