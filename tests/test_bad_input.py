@@ -458,6 +458,28 @@ def _sweep_parallel_zero(tmp_path, stack):
     ]
 
 
+def _evaluate_json(where):
+    def prepare(tmp_path, stack):
+        from ocformer import evaluate
+
+        return evaluate.main, [str(tmp_path / "run"), "--json", where(tmp_path)]
+
+    return prepare
+
+
+def _evaluate_truncated_config(tmp_path, stack):
+    import pathlib
+    import tempfile
+
+    from ocformer import evaluate
+    from ocformer.training._rundir import RUN_MARKER
+
+    run = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    (run / RUN_MARKER).write_text("{}")
+    (run / "config.json").write_text('{"model": {"num_lay')
+    return evaluate.main, [str(run)]
+
+
 SWEEPS = __import__("pathlib").Path(__file__).resolve().parent.parent / "experiments" / "sweeps"
 
 BAD_COMMAND_LINES = [
@@ -473,6 +495,12 @@ BAD_COMMAND_LINES = [
     ("convergence --epsilons abc", _convergence("--epsilons", "abc"), 2,
      ["argument --epsilons: 'abc' is not a finite number > 0"]),
     ("sweep --parallel 0", _sweep_parallel_zero, 2, ["--parallel: must be >= 1", "got 0"]),
+    ("evaluate --json into a missing folder", _evaluate_json(lambda t: str(t / "no" / "r.json")),
+     2, ["--json", "does not exist; create it first"]),
+    ("evaluate --json a directory", _evaluate_json(lambda t: str(t)), 2,
+     ["is a directory; give the path of a file"]),
+    ("evaluate on a truncated config.json", _evaluate_truncated_config, 2,
+     ["config.json cannot be read"]),
 ]  # fmt: skip
 
 

@@ -312,6 +312,21 @@ def test_missing_files(saved, tmp_path):
         from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.999], ids=["header_cut", "data_cut"])
+def test_truncated_weights_name_the_file(saved, tmp_path, keep):
+    """A truncated model.safetensors (in its header, or in its data) is a ValueError that
+    names the file, not the safetensors library's bare error."""
+    source = Path(saved["gpt2"][0])
+    (tmp_path / "config.json").write_bytes((source / "config.json").read_bytes())
+    data = (source / "model.safetensors").read_bytes()
+    cut = int(len(data) * keep) if keep > 0.9 else 20
+    (tmp_path / "model.safetensors").write_bytes(data[:cut])
+    weights = str(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="truncated or damaged") as e:
+        from_pretrained(tmp_path)
+    assert weights in str(e.value)
+
+
 def test_unsupported_model_type(saved, tmp_path):
     config = _rewrite(saved["gpt2"][0], tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))

@@ -9,6 +9,7 @@ every name, every shape) is checked before a model is built, so a bad directory 
 ``ValueError`` and nothing is half-loaded.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,7 +22,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from ..controls import NormParams
@@ -109,12 +110,26 @@ def _weight_files(path: str) -> list[str]:
     raise ValueError(f"{path!r} has neither {WEIGHTS_FILE} nor {INDEX_FILE}.{hint}")
 
 
+@contextlib.contextmanager
+def _open_weights(file: str):
+    """``safe_open(file)``, with the library's errors (a truncated or damaged file, on
+    opening or on reading a tensor) turned into a ``ValueError`` that names the file."""
+    try:
+        with safe_open(file, framework="np") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(
+            f"{file} cannot be read as a safetensors file ({e}): it is truncated or "
+            "damaged; save or download the checkpoint again"
+        ) from None
+
+
 def _tensor_shapes(files: list[str]) -> dict[str, tuple[tuple[int, ...], str, str]]:
     """Every tensor's shape, the file holding it and its stored dtype, without reading
     the data."""
     out: dict[str, tuple[tuple[int, ...], str, str]] = {}
     for file in files:
-        with safe_open(file, framework="np") as f:
+        with _open_weights(file) as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
                 if name in out:
                     raise ValueError(f"Tensor {name!r} is in two shards: {out[name][1]}, {file}.")
@@ -705,7 +720,7 @@ def _read(files: list[str], names: dict[str, str], dtype: np.dtype) -> dict[str,
     wanted = {file_name: canonical for canonical, file_name in names.items()}
     out = {}
     for file in files:
-        with safe_open(file, framework="np") as f:
+        with _open_weights(file) as f:
             for name in f.keys():  # noqa: SIM118
                 if name in wanted:
                     try:

@@ -52,11 +52,15 @@ def discretisation_of(config: Config) -> dict:
 
 def _enable_x64_if_needed(workdir: str) -> None:
     # A float64 run needs 64-bit JAX before its model is built (as in ocformer.train).
+    # An unreadable config.json is reported by the reader of the run, with its path.
     path = os.path.join(workdir, "config.json")
-    if os.path.isfile(path):
+    try:
         with open(path, encoding="utf-8") as f:
-            if json.load(f).get("model", {}).get("dtype") == "float64":
-                jax.config.update("jax_enable_x64", True)
+            stored = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(stored, dict) and stored.get("model", {}).get("dtype") == "float64":
+        jax.config.update("jax_enable_x64", True)
 
 
 def _time_stepper(model):
