@@ -26,6 +26,7 @@ from ocformer.training import (
     make_schedule,
     train,
 )
+from ocformer.training._build import restore_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
@@ -506,6 +507,38 @@ def test_evaluate_refuses_a_checkpoint_whose_bytes_changed(reference, tmp_path, 
     assert evaluate.main([str(workdir)]) == 2
     err = capsys.readouterr().err
     assert f"checkpoints/step_{STEPS} is corrupted" in err and "SHA-256 mismatch" in err
+
+
+def _rotating(monkeypatch, times: int):
+    """CheckpointManager.restore that, ``times`` times, first deletes the checkpoint it
+    was asked for, as a running training's rotation does while a reader reads it."""
+    original = CheckpointManager.restore
+    left = [times]
+
+    def restore(self, step, template):
+        if left[0] > 0:
+            left[0] -= 1
+            shutil.rmtree(self.path(step))
+        return original(self, step, template)
+
+    monkeypatch.setattr(CheckpointManager, "restore", restore)
+
+
+def test_readers_tolerate_a_checkpoint_rotated_away(reference, tmp_path, monkeypatch, capsys):
+    """A reader whose checkpoint the running training deletes picks the newest again,
+    and never calls a deleted checkpoint corrupted."""
+    from ocformer import evaluate
+
+    workdir = copy_of(reference, tmp_path)
+    _rotating(monkeypatch, 1)
+    _, _, step, _ = restore_run(workdir)
+    assert step == 8  # step 12 was rotated away while it was read
+    _rotating(monkeypatch, 1)
+    capsys.readouterr()
+    assert evaluate.main([str(workdir), "--step", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "step 8" in err and "was deleted while it was read" in err and "choose one of [4]" in err
+    assert "corrupted" not in err and "Delete" not in err
 
 
 def test_presentation_fields_may_change(reference, tmp_path):

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from .. import controls
-from ..checkpointing import CheckpointManager
+from ..checkpointing import CheckpointError, CheckpointManager
 from ..config import Config, ConfigError, from_dict, stepper_object, validate
 from ..controls import NormParams
 from ..integration import GRADIENT_METHODS, Discretisation
@@ -240,7 +240,35 @@ def restore_run(
             config = validate(from_dict(json.load(f)))
     except (OSError, json.JSONDecodeError) as e:
         raise WorkdirError(f"{path}/config.json cannot be read ({e})") from None
+    exp = build(config)
+    # The checkpoint's arrays in the order training writes them: the model's, the
+    # optimiser state, the random key, the step and the skipped-update count.
+    params = eqx.filter(exp.model, eqx.is_array)
+    template = (
+        params,
+        exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array)),
+        np.asarray(jr.key_data(jr.key(0))),
+        np.asarray(0, np.int64),
+        np.asarray(0, np.int64),
+    )
     with CheckpointManager(os.path.join(path, "checkpoints")) as checkpoints:
+        tree, chosen = _restore_despite_rotation(checkpoints, step, template, path)
+        directory = checkpoints.path(chosen)
+    model = eqx.combine(jax.tree.map(jnp.asarray, tree[0]), exp.model)
+    return config, model, chosen, directory
+
+
+# How often a reader picks the newest checkpoint again after the running training
+# rotated the one it was reading away.
+ROTATION_RETRIES = 5
+
+
+def _restore_despite_rotation(checkpoints: CheckpointManager, step, template, path: str):
+    """``(tree, step)`` of checkpoint ``step`` (None: the newest), read while a training
+    run may be writing new checkpoints and deleting old ones: a checkpoint that
+    disappears while it is read was rotated away, not corrupted, so the newest is picked
+    again (or, for an explicit ``step``, the user is told it is gone)."""
+    for _ in range(ROTATION_RETRIES):
         steps = checkpoints.steps()
         chosen = steps[-1] if step is None and steps else step
         if chosen not in steps:
@@ -249,21 +277,21 @@ def restore_run(
                 + ("" if step is None else f" of step {step}")
                 + (f"; committed steps: {steps}" if steps else "")
             )
-        exp = build(config)
-        # The checkpoint's arrays in the order training writes them: the model's, the
-        # optimiser state, the random key, the step and the skipped-update count.
-        params = eqx.filter(exp.model, eqx.is_array)
-        template = (
-            params,
-            exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array)),
-            np.asarray(jr.key_data(jr.key(0))),
-            np.asarray(0, np.int64),
-            np.asarray(0, np.int64),
-        )
-        tree = checkpoints.restore(chosen, template)
-        directory = checkpoints.path(chosen)
-    model = eqx.combine(jax.tree.map(jnp.asarray, tree[0]), exp.model)
-    return config, model, chosen, directory
+        try:
+            return checkpoints.restore(chosen, template), chosen
+        except CheckpointError:
+            if chosen in checkpoints.steps() and os.path.isdir(checkpoints.path(chosen)):
+                raise  # still there: damaged, as the error says
+            if step is not None:
+                raise WorkdirError(
+                    f"the checkpoint of step {step} in {path} was deleted while it was "
+                    "read: the run is still training and keeps only its newest "
+                    f"checkpoints; choose one of {checkpoints.steps()}"
+                ) from None
+    raise WorkdirError(
+        f"{path}: the newest checkpoint was deleted while it was read "
+        f"{ROTATION_RETRIES} times in a row (the run is checkpointing very often); try again"
+    )
 
 
 def build(config: Config, task=None) -> Experiment:
