@@ -8,7 +8,6 @@ from ._constrained import (
     RelaxedField as RelaxedField,
     SumField as SumField,
     TangentTerm as TangentTerm,
-    check_scalar_norm as check_scalar_norm,
     constraint_residual as constraint_residual,
     project_onto_set as project_onto_set,
     tangent_projection as tangent_projection,

@@ -67,18 +67,6 @@ def constraint_residual(p: NormParams, u: Float[Array, "*batch N d"]) -> Float[A
     return jnp.maximum(jnp.max(jnp.abs(mean - p.bias)), jnp.max(jnp.abs(var - jnp.square(p.scale))))
 
 
-def check_scalar_norm(p: NormParams, formulation: str) -> None:
-    """Trace-time check: the projected/relaxed formulations need the paper's scalar set."""
-    if jnp.shape(p.scale) != () or jnp.shape(p.bias) != ():
-        raise ValueError(
-            f"formulation={formulation!r} needs scalar layer-norm controls (sigma1, sigma2 "
-            f"of the set S1), got norm2 scale/bias of shapes {jnp.shape(p.scale)} and "
-            f"{jnp.shape(p.bias)}. A per-feature gain/bias is an affine sub-step, not a "
-            "constraint set. Build the controls with norm_affine='scalar', or use "
-            "formulation='split'."
-        )
-
-
 _EXACT = LayerNormProjection(eps=0.0)
 
 
