@@ -390,7 +390,6 @@ def run_local(
     points: Sequence[dict],
     parallel: int = 1,
     stream=None,
-    on_point: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Run the unfinished ``points`` with ``parallel`` local workers.
 
@@ -423,8 +422,6 @@ def run_local(
         t = time.perf_counter()
         status = run_point(sweep_dir, point)
         progress.finish(status.get("status") == "done", time.perf_counter() - t)
-        if on_point is not None:
-            on_point(status)
         return status
 
     pool = ThreadPoolExecutor(max_workers=parallel)
