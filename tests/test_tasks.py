@@ -32,7 +32,7 @@ from ocformer.tasks._text import CharCorpus
 
 
 def test_registry():
-    assert set(TASKS) == {"shakespeare_char", "stdlib_char", "digits", "copy", "sort"}
+    assert set(TASKS) == {"shakespeare_char", "stdlib_char", "digits", "copy", "sort", "tokens"}
     assert isinstance(make_task("copy", seq_len=8, vocab_size=5), CopyTask)
     with pytest.raises(ValueError, match="Unknown task 'nope'"):
         make_task("nope")
