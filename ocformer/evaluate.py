@@ -12,7 +12,6 @@ that is not a discretisation field, an invalid value, no checkpoint), 3 solver f
 
 import argparse
 import json
-import os
 import sys
 
 
@@ -43,25 +42,12 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
-def _output_problem(path: str) -> str | None:
-    """Why ``--json path`` cannot be written (None: it can), checked before evaluating."""
-    target = os.path.abspath(path)
-    folder = os.path.dirname(target)
-    if os.path.isdir(target):
-        return f"--json {path} is a directory; give the path of a file to write"
-    if not os.path.isdir(folder):
-        return f"--json {path}: the folder {folder} does not exist; create it first"
-    if not os.access(folder, os.W_OK | os.X_OK) or (
-        os.path.exists(target) and not os.access(target, os.W_OK)
-    ):
-        return f"--json {path} cannot be written by this user; choose another path"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    if args.json is not None and (problem := _output_problem(args.json)):
+    from .checkpointing import output_problem
+
+    if args.json is not None and (problem := output_problem(args.json, "--json")):
         return _fail(2, problem)  # ExitCode.USAGE, before anything is evaluated
     from .checkpointing import CheckpointError, atomic_write_text
     from .config import ConfigError

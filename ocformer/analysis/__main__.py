@@ -10,11 +10,10 @@ Example:
 import argparse
 import json
 import math
-import os
 import re
 import sys
 
-from ..checkpointing import atomic_write_text
+from ..checkpointing import atomic_write_text, output_problem
 
 
 def _listed(text: str, parse, what: str, example: str) -> list:
@@ -69,21 +68,6 @@ def _epsilons(text: str) -> list[float]:
     return _listed(text, parse, "a finite number > 0", "0.1,0.03,0.01")
 
 
-def _output_problem(path: str, option: str) -> str | None:
-    """Why ``path`` cannot be written (checked before any computation), or None."""
-    if not path.strip():
-        return f"{option} is an empty path"
-    full = os.path.abspath(path)
-    folder = os.path.dirname(full)
-    if os.path.isdir(full):
-        return f"{option} {path} is a directory; give a file name"
-    if not os.path.isdir(folder):
-        return f"{option} {path}: the folder {folder} does not exist; create it first"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"{option} {path}: the folder {folder} is not writable"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ocformer.analysis")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help (0), or a bad argument: argparse named it (2)
         return int(e.code or 0)
     for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
-        problem = None if path is None else _output_problem(path, option)
+        problem = None if path is None else output_problem(path, option)
         if problem is not None:
             print(f"error: {problem} (checked before computing; nothing was computed)",
                   file=sys.stderr)  # fmt: skip

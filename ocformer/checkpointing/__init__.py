@@ -2,6 +2,7 @@
 
 from ._atomic import (
     atomic_write_text as atomic_write_text,
+    output_problem as output_problem,
     remove_stale_temporaries as remove_stale_temporaries,
 )
 from ._manager import (

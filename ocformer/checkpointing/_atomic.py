@@ -43,3 +43,21 @@ def remove_stale_temporaries(directory: str) -> list[str]:
             os.remove(os.path.join(directory, name))
             removed.append(name)
     return removed
+
+
+def output_problem(path: str, option: str) -> str | None:
+    """Why the file ``path`` given by the command-line ``option`` cannot be written
+    (None: it can), for commands that check their output before computing anything."""
+    if not path.strip():
+        return f"{option} is an empty path"
+    full = os.path.abspath(path)
+    folder = os.path.dirname(full)
+    if os.path.isdir(full):
+        return f"{option} {path} is a directory; give the path of a file to write"
+    if not os.path.isdir(folder):
+        return f"{option} {path}: the folder {folder} does not exist; create it first"
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+        os.path.exists(full) and not os.access(full, os.W_OK)
+    ):
+        return f"{option} {path} cannot be written by this user; choose another path"
+    return None
