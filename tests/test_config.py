@@ -232,6 +232,31 @@ def test_validation_precedes_any_build(monkeypatch, tmp_path):
         train(bad, str(tmp_path / "run"))
 
 
+def test_building_an_unvalidated_refused_config_reports_the_rules_field_and_message():
+    """``build`` on a configuration that skipped ``validate`` reports the model's
+    ``IncompatibleError`` as the ``ConfigError`` validation would give: the same field,
+    the same message."""
+    import jax.random as jr
+
+    from ocformer.config import choices
+    from ocformer.models import refusals
+    from ocformer.training import build_model, build_task
+
+    base = Config()
+    bad = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, norm="post"),
+        discretisation=dataclasses.replace(base.discretisation, stepper="tsit5"),
+    )
+    (refusal, *_) = refusals(choices(bad))
+    with pytest.raises(ConfigError) as built:
+        build_model(bad, build_task(bad), jr.key(0))
+    with pytest.raises(ConfigError) as validated:
+        validate(bad)
+    assert built.value.field == validated.value.field == refusal.field
+    assert str(built.value) == str(validated.value) == f"{refusal.field}: {refusal.message}"
+
+
 def test_missing_data_file_is_a_usage_error(tmp_path, capsys):
     argv = [
         "--config",

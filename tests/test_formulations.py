@@ -1,6 +1,8 @@
 """Smooth formulations: any diffrax solver on pre-LN, projected dynamics on S1, the
 Moreau-Yosida relaxation, step-size control, and the refusal of incompatible pairs."""
 
+import re
+
 import diffrax
 import jax
 import jax.numpy as jnp
@@ -210,6 +212,8 @@ def test_incompatible_pairs_are_refused_naming_the_field(pre, post):
         with pytest.raises(IncompatibleError, match=match) as info:
             _build(kwargs.pop("control"), **kwargs)
         assert info.value.field == field, (kwargs, str(info.value))
+        assert str(info.value) == f"{field}: {info.value.message}"
+        assert re.search(match, info.value.message), info.value.message
     with pytest.raises(ValueError, match="formulation must be"):
         _build(control, formulation="smooth")
     with pytest.raises(ValueError, match="stepper must be"):

@@ -99,10 +99,12 @@ class Refusal:
 
 
 class IncompatibleError(ValueError):
-    """A combination refused by a rule. ``field`` is the config field at fault."""
+    """A combination refused by a rule. ``field`` is the config field at fault and
+    ``message`` the rule's explanation (the error's text is ``"field: message"``)."""
 
     def __init__(self, refusal: Refusal):
         self.field = refusal.field
+        self.message = refusal.message
         super().__init__(f"{refusal.field}: {refusal.message}")
 
 

@@ -144,7 +144,7 @@ def build_transformer(config: Config, key, *, causal: bool):
             attention_kernel=m.attention_kernel,
         )
     except IncompatibleError as e:  # validation runs the same rules; kept for direct use
-        raise ConfigError(e.field, str(e).split(": ", 1)[1]) from None
+        raise ConfigError(e.field, e.message) from None
 
 
 def build_model(config: Config, task, key):

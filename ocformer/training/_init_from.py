@@ -230,7 +230,7 @@ def adapt(model: SequenceModel, config: Config, discretisation) -> SequenceModel
             discretisation=discretisation,
         )
     except IncompatibleError as e:
-        raise ConfigError(e.field, str(e).split(": ", 1)[1]) from None
+        raise ConfigError(e.field, e.message) from None
     if transformer.attention.kernel != m.attention_kernel:
         attention = dataclasses.replace(transformer.attention, kernel=m.attention_kernel)
         transformer = eqx.tree_at(lambda t: t.attention, transformer, attention)
