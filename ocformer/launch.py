@@ -151,6 +151,8 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
                 f"processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
             )
             stop_processes(procs, grace_s)
+            for p in procs:
+                p.wait()  # ended; collect the exit codes
             if c in (143, -signal.SIGTERM) and all(p.returncode in (143, -15) for p in procs):
                 return 143  # preempted together: every process checkpointed
             return c if c > 0 else 128 - c

@@ -715,15 +715,21 @@ def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache):
     assert row["status"] == "done" and row["step"] == "2" and int(row["solver_steps"]) == 1
 
 
-def test_point_job_requeues_itself_with_the_same_point(tmp_path):
+@pytest.mark.parametrize("handler", ["on the waiting thread", "on another thread"])
+def test_point_job_requeues_itself_with_the_same_point(tmp_path, handler):
     """On SLURM's timeout or preemption signal submitit calls ``checkpoint``: the
     point's running process gets SIGTERM, checkpoints and exits, and only then is the
-    task requeued, with the same point."""
+    task requeued, with the same point, without waiting out the grace period.
+
+    submitit calls it from its signal handler, so on the thread that is blocked
+    waiting for the training process (``on the waiting thread``); a point run by a
+    worker thread of a local sweep has its waiter elsewhere (``on another thread``)."""
+    import signal
     import threading
     import time
 
     from ocformer.sweeping import PointJob
-    from ocformer.sweeping._run import _children, _children_lock
+    from ocformer.sweeping._run import STOP_GRACE_S, _children, _children_lock
 
     # A stand-in for the training process: it records the signal it got (its
     # checkpoint) and exits cleanly, as ocformer.train does on SIGTERM.
@@ -744,14 +750,32 @@ def test_point_job_requeues_itself_with_the_same_point(tmp_path):
     )
     log = tmp_path / "point.log"
     result: dict = {}
+    seen: dict = {}
+    job = PointJob(str(tmp_path))
+    point = {"name": "p"}
 
     def run() -> None:
-        # The worker thread of a point, as in run_point: it owns the child and reaps it.
+        # The thread of a point, as in run_point: it owns the child and reaps it.
         result.update(_run_logged([sys.executable, "-c", script], str(log), dict(os.environ)))
 
-    worker = threading.Thread(target=run)
-    worker.start()
-    try:
+    def requeue() -> None:
+        with _children_lock:
+            [proc] = _children
+        started = time.monotonic()
+        seen["delayed"] = job.checkpoint(point)
+        seen["waited"] = time.monotonic() - started
+        # Requeued only after the process exited: its exit is collected already by
+        # the thread that waits for it, or left for it to collect (a handler runs
+        # while its thread is in the wait).
+        try:
+            ended = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            seen["exit_code"] = proc.returncode
+        else:
+            assert ended is not None and ended.si_code == os.CLD_EXITED
+            seen["exit_code"] = ended.si_status
+
+    def when_waiting(then) -> None:
         deadline = time.monotonic() + 60
         # The first log line is the command itself; "waiting" on its own line means the
         # handler is installed.
@@ -759,25 +783,35 @@ def test_point_job_requeues_itself_with_the_same_point(tmp_path):
             not log.exists() or "waiting" not in log.read_text().splitlines()[1:]
         ):
             time.sleep(0.05)
-        with _children_lock:
-            [proc] = _children
-        job = PointJob(str(tmp_path))
-        point = {"name": "p"}
-        started = time.monotonic()
-        delayed = job.checkpoint(point)
-        waited = time.monotonic() - started
-        # Requeued only after the process exited.
-        assert proc.returncode == 0
-        worker.join(timeout=60)
+        then()
+
+    try:
+        if handler == "on the waiting thread":
+            previous = signal.signal(signal.SIGUSR2, lambda signum, frame: requeue())
+            signaller = threading.Thread(
+                target=when_waiting, args=(lambda: os.kill(os.getpid(), signal.SIGUSR2),)
+            )
+            signaller.start()
+            try:
+                run()
+            finally:
+                signal.signal(signal.SIGUSR2, previous)
+                signaller.join(timeout=60)
+        else:
+            worker = threading.Thread(target=run)
+            worker.start()
+            when_waiting(requeue)
+            worker.join(timeout=60)
+        assert seen["exit_code"] == 0
         assert result["exit_code"] == 0 and checkpointed.read_text() == "SIGTERM"
         # It waited for the exit, not for the whole grace period.
-        assert waited < 30
+        assert seen["waited"] < STOP_GRACE_S / 2, seen["waited"]
+        delayed = seen["delayed"]
         assert delayed.function is job and delayed.args == (point,) and delayed.kwargs == {}
     finally:
         with _children_lock:
             for p in _children:
                 p.kill()
-        worker.join(timeout=60)
 
 
 def test_stop_processes_sigkills_a_process_that_ignores_sigterm():
@@ -800,6 +834,13 @@ def test_stop_processes_sigkills_a_process_that_ignores_sigterm():
         killed = stop_processes([stubborn, polite], grace_s=1.0)
         waited = time.monotonic() - started
         assert killed == [stubborn]
+        # Both have ended, and their exits are left for their waiter to collect.
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+        for p, sig in ((stubborn, signal.SIGKILL), (polite, signal.SIGTERM)):
+            ended = os.waitid(os.P_PID, p.pid, flags)
+            assert ended is not None and (ended.si_code, ended.si_status) == (os.CLD_KILLED, sig)
+            assert p.returncode is None
+            p.wait()
         assert stubborn.returncode == -signal.SIGKILL and polite.returncode == -signal.SIGTERM
         assert 1.0 <= waited < 10.0
     finally:

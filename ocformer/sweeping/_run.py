@@ -359,7 +359,7 @@ def stop_children(grace_s: float | None = None) -> None:
             procs = [p for p in _children if p not in stopped]
         if not procs:
             return
-        stop_processes(procs, grace_s, running=lambda p: p.returncode is None)
+        stop_processes(procs, grace_s)
         stopped.update(procs)
 
 
