@@ -7,13 +7,21 @@ anything else runs.
 """
 
 import importlib
+import os
+import shlex
+import sys
+from collections.abc import Mapping
 from typing import Any
 
 
 def _private(module: str, name: str, what: str, package: str) -> Any:
-    """``module.name``, or an ``ImportError`` naming it, what it is for and the fix."""
+    """``module.name`` (``name`` may be dotted: an attribute of a class), or an
+    ``ImportError`` naming it, what it is for and the fix."""
     try:
-        return getattr(importlib.import_module(module), name)
+        value = importlib.import_module(module)
+        for part in name.split("."):
+            value = getattr(value, part)
+        return value
     except (ImportError, AttributeError) as e:  # pragma: no cover - a library that moved it
         raise ImportError(
             f"ocformer needs {module}.{name} ({what}); this {package} does not have it "
@@ -43,21 +51,49 @@ jax_distributed_state = _private(
 )
 
 
-def make_sbatch_string(**kwargs) -> str:
-    """submitit's generator of the sbatch script it submits (its private
-    ``_make_sbatch_string``): ocformer writes exactly the script submitit would, for job
-    arrays and multi-node runs. Resolved on first use, so that ``import ocformer`` does
-    not import submitit."""
+# submitit's entry point of a submitted job, which its job script runs.
+_SUBMITIT_ENTRY = "submitit.core._submit"
+
+
+def sbatch_script(
+    folder: str, parameters: Mapping[str, Any], *, array_size: int | None = None
+) -> str:
+    """The sbatch script that submitit's SLURM executor submits for a job of
+    ``parameters`` whose files go to ``folder``.
+
+    ``parameters`` are what ``submitit.AutoExecutor.update_parameters`` takes: the
+    generic names (``name``, ``timeout_min``, ``nodes``, ``tasks_per_node``,
+    ``cpus_per_task``, ``gpus_per_node``) and ``slurm_``-prefixed ones; ``None`` is
+    unset, as there. ``array_size`` calls make it one job array (``map_array``).
+    submitit has no public way to see the script without submitting it, so this
+    uses what it uses: its generator ``_make_sbatch_string``, its SLURM executor's
+    renaming of the generic names, and the command of its job entry point. Resolved on
+    first use, so that ``import ocformer`` does not import submitit.
+    """
     generator = _private(
         "submitit.slurm.slurm", "_make_sbatch_string", "the sbatch script generator", "submitit"
     )
-    return generator(**kwargs)
+    renames = _private(
+        "submitit.slurm.slurm",
+        "SlurmExecutor._equivalence_dict",
+        "the SLURM names of submitit's generic parameters",
+        "submitit",
+    )()
+    _private(_SUBMITIT_ENTRY, "submitit_main", "the entry point of a submitted job", "submitit")
+    given = {k: v for k, v in parameters.items() if v is not None}
+    sbatch = {renames.get(k, k): v for k, v in given.items() if not k.startswith("slurm_")}
+    sbatch.update({k.removeprefix("slurm_"): v for k, v in given.items() if k.startswith("slurm_")})
+    folder = os.path.abspath(folder)
+    command = " ".join(
+        [shlex.quote(sys.executable), f"-u -m {_SUBMITIT_ENTRY}", shlex.quote(folder)]
+    )
+    return generator(command=command, folder=folder, map_count=array_size, **sbatch)
 
 
 __all__ = [
     "WrapTerm",
     "diffrax_loop",
     "jax_distributed_state",
-    "make_sbatch_string",
+    "sbatch_script",
     "use_stepsize_tol",
 ]

@@ -32,8 +32,7 @@ from typing import Any
 
 import submitit
 
-from ._compat import make_sbatch_string
-from .distributed import stop_processes
+from .distributed import SlurmJob, slurm_job, stop_processes
 
 TRAIN = ("-m", "ocformer.train")
 GRACE_S = 30.0
@@ -191,37 +190,22 @@ class TrainTask(submitit.helpers.Checkpointable):
         return {"train_args": self.train_args, "_proc": None}
 
 
-def _slurm_parameters(args) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "nodes": args.nodes,
-        "tasks_per_node": args.gpus_per_node,
-        "gpus_per_node": args.gpus_per_node,
-        "cpus_per_task": args.cpus_per_task,
-        "timeout_min": args.time,
-        "name": args.name,
-    }
-    if args.partition:
-        params["slurm_partition"] = args.partition
-    return params
+def _job(args) -> SlurmJob:
+    return slurm_job(
+        args.folder,
+        name=args.name,
+        time_min=args.time,
+        cpus_per_task=args.cpus_per_task,
+        nodes=args.nodes,
+        tasks_per_node=args.gpus_per_node,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+    )
 
 
 def job_script(args) -> str:
     """The sbatch script submitit writes for this job."""
-    folder = os.path.join(os.path.abspath(args.folder), "%j")
-    command = " ".join(
-        [shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)]
-    )
-    params: dict[str, Any] = {
-        "job_name": args.name,
-        "time": args.time,
-        "nodes": args.nodes,
-        "ntasks_per_node": args.gpus_per_node,
-        "gpus_per_node": args.gpus_per_node,
-        "cpus_per_task": args.cpus_per_task,
-    }
-    if args.partition:
-        params["partition"] = args.partition
-    return make_sbatch_string(command=command, folder=folder, **params)
+    return _job(args).script()
 
 
 def slurm(args, train_args: list[str]) -> int:
@@ -239,9 +223,7 @@ def slurm(args, train_args: list[str]) -> int:
             "no SLURM on this machine (sbatch not found); run from a SLURM login node, or "
             "add --dry-run to see the job script",
         )
-    executor = submitit.AutoExecutor(folder=os.path.join(args.folder, "%j"), cluster="slurm")
-    executor.update_parameters(**_slurm_parameters(args))
-    job = executor.submit(TrainTask(train_args))
+    job = _job(args).executor().submit(TrainTask(train_args))
     tasks = f"{args.nodes} x {args.gpus_per_node} tasks"
     _say(f"submitted job {job.job_id} ({tasks}); logs in {args.folder}")
     return 0

@@ -1,9 +1,11 @@
 """The package's shape: layers that read one way, private diffrax names in one module,
 and a small public face."""
 
+import ast
 import importlib
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -83,12 +85,22 @@ def test_private_names_of_other_libraries_come_from_one_module():
     assert _compat.WrapTerm is _term.WrapTerm
     assert _compat.use_stepsize_tol is _root_finder.use_stepsize_tol
     assert _compat.jax_distributed_state is distributed.global_state
-    kwargs = dict(command="true", folder="/tmp/x", map_count=2)
-    assert _compat.make_sbatch_string(**kwargs) == slurm._make_sbatch_string(**kwargs)
+    renames = slurm.SlurmExecutor._equivalence_dict()
+    assert renames is not None and renames["timeout_min"] == "time"
+    script = _compat.sbatch_script("/tmp/x", {"timeout_min": 5}, array_size=2)
+    assert script == slurm._make_sbatch_string(
+        command=f"{shlex.quote(sys.executable)} -u -m submitit.core._submit /tmp/x",
+        folder="/tmp/x",
+        map_count=2,
+        time=5,
+    )
+    # Imports of private modules or names, and private module names in text (such as
+    # the module a job script runs with python -m).
     private = re.compile(
         r"from (diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)*\._|"
         r"import (diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)*\._|"
-        r"from (diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)* import _"
+        r"from (diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)* import _|"
+        r"\b(diffrax|jax|equinox|optax|orbax|submitit)(\.\w+)*\._\w"
     )
     offenders = [
         str(path.relative_to(ROOT))
@@ -98,14 +110,90 @@ def test_private_names_of_other_libraries_come_from_one_module():
     assert offenders == []
 
 
-def test_a_moved_diffrax_name_fails_with_a_clear_message(monkeypatch):
-    stub = types.ModuleType("diffrax._term")  # a diffrax whose _term lost WrapTerm
-    monkeypatch.setitem(sys.modules, "diffrax._term", stub)
+def _private_names() -> list[tuple[str, str]]:
+    """Every ``(module, name)`` that ocformer/_compat.py resolves with ``_private``."""
+    from ocformer import _compat
+
+    tree = ast.parse((ROOT / "ocformer" / "_compat.py").read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_private":
+            module, name = (
+                getattr(_compat, a.id) if isinstance(a, ast.Name) else ast.literal_eval(a)
+                for a in node.args[:2]
+            )
+            found.append((module, name))
+    return found
+
+
+# Each private name, and how ocformer meets it: on import of ocformer._compat, or when
+# a job script is written.
+_MOVED = {
+    ("diffrax._term", "WrapTerm"): "import",
+    ("diffrax._root_finder", "use_stepsize_tol"): "import",
+    ("diffrax._integrate", "loop"): "import",
+    ("jax._src.distributed", "global_state"): "import",
+    ("submitit.slurm.slurm", "_make_sbatch_string"): "job script",
+    ("submitit.slurm.slurm", "SlurmExecutor._equivalence_dict"): "job script",
+    ("submitit.core._submit", "submitit_main"): "job script",
+}
+
+
+def test_every_private_name_has_a_moved_name_test():
+    assert sorted(_private_names()) == sorted(_MOVED)
+
+
+@pytest.mark.parametrize("module, name", sorted(_MOVED), ids="{0[0]}.{0[1]}".format)
+def test_a_moved_private_name_fails_with_a_clear_message(monkeypatch, module, name):
+    """A release of the library without the name: ocformer stops with an ImportError
+    that names it, instead of an AttributeError deep inside a run."""
+    real = importlib.import_module(module)
+    stub = types.ModuleType(module)  # the module of a release that lost the name
+    head, _, rest = name.partition(".")
+    if rest:  # an attribute of a class: the class stays, without it
+        stub.__dict__.update(vars(real))
+        setattr(stub, head, type(head, (), {}))
+    monkeypatch.setitem(sys.modules, module, stub)
     monkeypatch.delitem(sys.modules, "ocformer._compat")
-    with pytest.raises(ImportError, match=r"needs diffrax\._term\.WrapTerm"):
-        importlib.import_module("ocformer._compat")
+    message = rf"needs {re.escape(module)}\.{re.escape(name)} \("
+    with pytest.raises(ImportError, match=message):
+        compat = importlib.import_module("ocformer._compat")
+        assert _MOVED[module, name] == "job script"
+        compat.sbatch_script("/tmp/x", {"timeout_min": 5})
     monkeypatch.undo()
     importlib.import_module("ocformer._compat")
+
+
+def test_sbatch_script_is_the_script_submitit_submits(monkeypatch, tmp_path):
+    """The script a dry run prints is the one submitit's SLURM executor writes when it
+    submits the same job: one task, and a job array as ``map_array`` makes it."""
+    from submitit.slurm import slurm
+
+    from ocformer.distributed import slurm_job
+
+    # An executor as on a SLURM login node (SlurmExecutor looks for srun).
+    monkeypatch.setattr(slurm.SlurmExecutor, "affinity", classmethod(lambda cls: 2))
+    job = slurm_job(
+        str(tmp_path / "logs"),
+        name="run",
+        time_min=30,
+        cpus_per_task=8,
+        nodes=2,
+        tasks_per_node=4,
+        gpus_per_node=4,
+        partition="gpu",
+        array_parallelism=3,
+    )
+    executor = job.executor()._executor
+    command = executor._submitit_command_str
+    assert job.script() == executor._make_submission_file_text(command, "uid")
+    array = slurm.SlurmExecutor(executor.folder)  # as map_array copies it
+    array.update_parameters(**executor.parameters)
+    array.parameters["map_count"] = 5
+    script = job.script(array_size=5)
+    assert script == array._make_submission_file_text(command, "uid")
+    for line in ("--array=0-4%3", "--nodes=2", "--ntasks-per-node=4", "--time=30"):
+        assert f"#SBATCH {line}\n" in script
 
 
 def test_public_face():

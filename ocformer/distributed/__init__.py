@@ -14,4 +14,8 @@ from ._process import (
     initialize as initialize,
     process_settings as process_settings,
 )
-from ._processes import stop_processes as stop_processes
+from ._processes import (
+    SlurmJob as SlurmJob,
+    slurm_job as slurm_job,
+    stop_processes as stop_processes,
+)

@@ -1,17 +1,27 @@
-"""Stopping child processes: a signal, a bounded grace period, then SIGKILL.
+"""Child processes and SLURM jobs: stopping processes (a signal, a bounded grace
+period, then SIGKILL) and the jobs submitted through submitit, with their scripts.
 
 Every command that starts processes (``ocformer.launch``, a sweep's points, a SLURM
 task) stops them the same way: the signal (SIGTERM: a training process checkpoints at
 its next step and exits 143), at most ``grace_s`` seconds for all of them to end, then
 SIGKILL for the rest, so that no process is left running once its parent has gone.
+Every command that submits to SLURM (a multi-node run, a sweep's job array) describes
+its job with ``slurm_job``: the executor that submits it and the script that a dry run
+prints come from the same parameters.
 """
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from subprocess import Popen
+from typing import Any
+
+import submitit
+
+from .._compat import sbatch_script
 
 # How long SIGKILLed processes are waited for (the kernel ends them at once; this only
 # bounds the wait for the kernel to report it).
@@ -76,3 +86,69 @@ def stop_processes(
     while any(_running(p) for p in killed) and time.monotonic() < deadline:
         time.sleep(0.05)
     return killed
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmJob:
+    """A SLURM job as submitit submits it.
+
+    Attributes:
+        folder: submitit's folder of the job's files, ``LOGS/%j`` (one per job id).
+        parameters: the job's resources, by the names that
+            ``submitit.AutoExecutor.update_parameters`` takes.
+    """
+
+    folder: str
+    parameters: Mapping[str, Any]
+
+    def script(self, array_size: int | None = None) -> str:
+        """The sbatch script submitit writes for this job: one task, or a job array of
+        ``array_size`` tasks (``map_array``)."""
+        return sbatch_script(self.folder, self.parameters, array_size=array_size)
+
+    def executor(self) -> submitit.AutoExecutor:
+        """A submitit executor that submits this job (on a machine with SLURM)."""
+        executor = submitit.AutoExecutor(folder=self.folder, cluster="slurm")
+        executor.update_parameters(**self.parameters)
+        return executor
+
+
+def slurm_job(
+    logs: str,
+    *,
+    name: str,
+    time_min: int,
+    cpus_per_task: int,
+    nodes: int = 1,
+    tasks_per_node: int | None = None,
+    gpus_per_node: int = 0,
+    partition: str | None = None,
+    array_parallelism: int | None = None,
+) -> SlurmJob:
+    """A SLURM job whose files go under ``logs``.
+
+    Args:
+        logs: the folder of submitit's files (a subfolder per job id).
+        name: the job's name.
+        time_min: its wall-clock limit, minutes.
+        cpus_per_task: CPUs of each task.
+        nodes: nodes of each task (of the job, without an array).
+        tasks_per_node: tasks started on each node (default: SLURM's, one).
+        gpus_per_node: GPUs of each node (0: none asked for).
+        partition: the partition (default: the cluster's).
+        array_parallelism: of a job array, at most this many tasks at once.
+    """
+    parameters = {
+        "name": name,
+        "timeout_min": time_min,
+        "nodes": nodes,
+        "tasks_per_node": tasks_per_node,
+        "cpus_per_task": cpus_per_task,
+        "gpus_per_node": gpus_per_node or None,
+        "slurm_partition": partition,
+        "slurm_array_parallelism": array_parallelism,
+    }
+    return SlurmJob(
+        folder=os.path.join(os.path.abspath(logs), "%j"),
+        parameters={k: v for k, v in parameters.items() if v is not None},
+    )

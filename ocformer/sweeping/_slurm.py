@@ -9,15 +9,13 @@ point, whose training resumes from that checkpoint.
 
 import dataclasses
 import os
-import shlex
 import shutil
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import submitit
 
-from .._compat import make_sbatch_string
+from ..distributed import SlurmJob, slurm_job
 from ._run import run_point, stop_children
 from ._spec import SweepError
 
@@ -53,19 +51,18 @@ class SlurmOptions:
     nodes: int = 1
     array_parallelism: int = 16
 
-    def submitit_parameters(self) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "timeout_min": self.time_min,
-            "cpus_per_task": self.cpus,
-            "nodes": self.nodes,
-            "slurm_array_parallelism": self.array_parallelism,
-            "name": "ocformer-sweep",
-        }
-        if self.gpus:
-            params["gpus_per_node"] = self.gpus
-        if self.partition:
-            params["slurm_partition"] = self.partition
-        return params
+    def job(self, sweep_dir: str) -> SlurmJob:
+        """The job array of a sweep in ``sweep_dir`` (submitit's files in ``DIR/slurm``)."""
+        return slurm_job(
+            os.path.join(sweep_dir, "slurm"),
+            name="ocformer-sweep",
+            time_min=self.time_min,
+            cpus_per_task=self.cpus,
+            nodes=self.nodes,
+            gpus_per_node=self.gpus,
+            partition=self.partition,
+            array_parallelism=self.array_parallelism,
+        )
 
 
 def slurm_options(defaults: Mapping[str, Any], flags: Mapping[str, Any]) -> SlurmOptions:
@@ -122,9 +119,7 @@ def executor_for(sweep_dir: str, options: SlurmOptions):
         SweepError: SLURM is not available here.
     """
     require_slurm()
-    ex = submitit.AutoExecutor(folder=os.path.join(sweep_dir, "slurm", "%j"), cluster="slurm")
-    ex.update_parameters(**options.submitit_parameters())
-    return ex
+    return options.job(sweep_dir).executor()
 
 
 def submit(sweep_dir: str, points: Sequence[dict], executor) -> list:
@@ -135,22 +130,4 @@ def submit(sweep_dir: str, points: Sequence[dict], executor) -> list:
 
 def job_script(sweep_dir: str, num_points: int, options: SlurmOptions) -> str:
     """The sbatch script ``--launcher slurm`` submits for ``num_points`` points."""
-    # submitit writes exactly this script (its own generator) for a map_array of
-    # num_points calls.
-    folder = os.path.join(sweep_dir, "slurm", "%j")
-    command = " ".join(
-        [shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(folder)]
-    )
-    params: dict[str, Any] = {
-        "job_name": "ocformer-sweep",
-        "time": options.time_min,
-        "nodes": options.nodes,
-        "cpus_per_task": options.cpus,
-        "array_parallelism": options.array_parallelism,
-        "map_count": num_points,
-    }
-    if options.gpus:
-        params["gpus_per_node"] = options.gpus
-    if options.partition:
-        params["partition"] = options.partition
-    return make_sbatch_string(command=command, folder=folder, **params)
+    return options.job(sweep_dir).script(array_size=num_points)
