@@ -32,7 +32,7 @@ from typing import Any
 
 import submitit
 
-from .distributed import SlurmJob, slurm_job, stop_processes
+from .distributed import SlurmJob, process_environment, slurm_job, stop_processes
 
 TRAIN = ("-m", "ocformer.train")
 GRACE_S = 30.0
@@ -99,12 +99,7 @@ def local(
     procs: list[subprocess.Popen] = []
     threads = []
     for i in range(nproc):
-        child_env = {
-            **env,
-            "OCFORMER_COORDINATOR": address,
-            "OCFORMER_NUM_PROCESSES": str(nproc),
-            "OCFORMER_PROCESS_ID": str(i),
-        }
+        child_env = {**env, **process_environment(address, nproc, i)}
         piped = i > 0  # process 0 keeps the terminal (its progress bar); others are tagged
         p = subprocess.Popen(
             [sys.executable, *TRAIN, *train_args],

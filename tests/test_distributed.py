@@ -29,6 +29,7 @@ from ocformer.distributed import (
     MeshError,
     initialize,
     mesh_shape,
+    process_environment,
     process_settings,
 )
 
@@ -124,6 +125,22 @@ def test_no_settings_means_one_process(monkeypatch):
     for name in ("OCFORMER_COORDINATOR", "SLURM_JOB_ID", "TPU_WORKER_HOSTNAMES"):
         monkeypatch.delenv(name, raising=False)
     assert process_settings() is None and initialize() is False
+
+
+def test_the_launchers_variables_are_what_a_process_reads(monkeypatch):
+    """``process_environment`` (what ``ocformer.launch local`` gives each process) and
+    ``process_settings`` (what a process reads) use one set of names."""
+    for name in ("OCFORMER_COORDINATOR", "OCFORMER_NUM_PROCESSES", "OCFORMER_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    written = process_environment("10.0.0.1:1234", 3, 2)
+    assert written == {
+        "OCFORMER_COORDINATOR": "10.0.0.1:1234",
+        "OCFORMER_NUM_PROCESSES": "3",
+        "OCFORMER_PROCESS_ID": "2",
+    }
+    for name, value in written.items():
+        monkeypatch.setenv(name, value)
+    assert process_settings() == ("10.0.0.1:1234", 3, 2)
 
 
 def test_unreachable_coordinator_ends_with_address_and_timeout():
@@ -270,6 +287,129 @@ def test_meshes_of_four_devices_equal_one_device(env):
     # The optimiser's moments follow the controls; the batch is split by rows.
     assert two["moments_wq"] == [two["wq"]]
     assert out["4x1"]["batch"] == two["batch"] == [["data"]]
+
+
+_ROWS = """
+import json, sys
+import jax, numpy as np
+from ocformer.config import resolve
+from ocformer.distributed import Layout, initialize
+from ocformer.tasks import AbstractTask, make_task
+from ocformer.training._loop import train_batches
+
+smoke, data, count, pid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if count > 1:
+    initialize(sys.argv[5], count, pid, timeout_s=600)
+
+
+class Counting(AbstractTask):
+    # Counts the rows the loop's batch function makes; `rows` decides whether the
+    # task draws its rows alone or falls back to the interface's whole-batch default.
+    def __init__(self, inner, rows):
+        self.inner, self.kind, self.seq_len = inner, inner.kind, inner.seq_len
+        self.vocab_size, self.num_classes = inner.vocab_size, inner.num_classes
+        self.rows, self.whole, self.own_rows = 0, 0, rows
+
+    def batch(self, *args):
+        self.whole += 1
+        return self.inner.batch(*args)
+
+    def batch_rows(self, split, index, batch_size, seed, rows):
+        if not self.own_rows:
+            return super().batch_rows(split, index, batch_size, seed, rows)
+        part = self.inner.batch_rows(split, index, batch_size, seed, rows)
+        self.rows += len(part["inputs"])
+        return part
+
+
+config = resolve(smoke, ["task.batch_size=8", "mesh.data=-1"])
+layout = Layout(config)
+out = {"process": jax.process_index(), "devices": jax.device_count(), "tasks": {}}
+tokens = make_task("tokens", path=data, seq_len=6)
+copy = make_task("copy", seq_len=16, vocab_size=8)
+for name, inner, own in [("tokens", tokens, True), ("copy", copy, True), ("copy", copy, False)]:
+    task = Counting(inner, own)
+    produce = train_batches(task, layout, 8, 5)
+    equal, shards = True, []
+    for n in (0, 1, 7):
+        batch = produce(n)
+        want = inner.batch("train", n, 8, 5)  # the one-process global batch
+        got = layout.to_host(batch)
+        for k in want:
+            equal &= got[k].dtype == want[k].dtype and got[k].tobytes() == want[k].tobytes()
+            for shard in batch[k].addressable_shards:
+                rows = shard.index[0].indices(8)[:2]
+                equal &= np.asarray(shard.data).tobytes() == want[k][slice(*rows)].tobytes()
+                shards.append(rows)
+    rows = layout.process_rows(8)
+    out["tasks"][name + ("" if own else "_whole")] = {
+        "rows": [rows.start, rows.stop], "made": task.rows, "whole": task.whole,
+        "equal": bool(equal), "shards": sorted(set(map(tuple, shards))),
+    }
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    from ocformer.tasks import prepare_text
+
+    root = tmp_path_factory.mktemp("rows")
+    (root / "text.txt").write_text("the cat sat on the mat.\n" * 200, encoding="utf-8")
+    prepare_text([str(root / "text.txt")], "char", root / "data", progress=False)
+    return str(root / "data")
+
+
+def _rows_result(text: str) -> dict:
+    return json.loads(text.split("RESULT ", 1)[1].splitlines()[0])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(name="distributed")
+def test_each_process_makes_only_its_rows_of_the_global_batch(env, prepared):
+    """The loop's batches (``train_batches``) on 4 devices of one process and on two
+    processes: each process makes only its own rows (counted), falls back to the whole
+    batch for a task that cannot draw rows alone, and the global batch its devices
+    assemble is bitwise the one-process batch."""
+    e = dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    one = subprocess.run(
+        [sys.executable, "-c", _ROWS, SMOKE, prepared, "1", "0"],
+        env=e, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    got = _rows_result(one.stdout)
+    assert got["devices"] == 4
+    for name in ("tokens", "copy"):
+        t = got["tasks"][name]
+        assert t == {"rows": [0, 8], "made": 24, "whole": 0, "equal": True,
+                     "shards": [[0, 2], [2, 4], [4, 6], [6, 8]]}, (name, t)  # fmt: skip
+    assert got["tasks"]["copy_whole"]["whole"] == 3 and got["tasks"]["copy_whole"]["equal"]
+
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ROWS, SMOKE, prepared, "2", str(i), address],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
+    for i, (out, _) in enumerate(outs):
+        got = _rows_result(out)
+        assert got["process"] == i and got["devices"] == 2
+        mine = [4 * i, 4 * i + 4]
+        for name in ("tokens", "copy"):
+            t = got["tasks"][name]
+            # 3 batches of 4 rows: half of the 8-row global batch, never the whole.
+            assert t == {"rows": mine, "made": 12, "whole": 0, "equal": True,
+                         "shards": [mine]}, (i, name, t)  # fmt: skip
+        whole = got["tasks"]["copy_whole"]
+        assert whole["whole"] == 3 and whole["equal"] and whole["rows"] == mine
 
 
 def _train_command(workdir, *overrides):

@@ -12,6 +12,7 @@ from ._layout import (
 from ._process import (
     DistributedError as DistributedError,
     initialize as initialize,
+    process_environment as process_environment,
     process_settings as process_settings,
 )
 from ._processes import (

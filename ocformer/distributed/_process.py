@@ -60,6 +60,16 @@ def _cluster() -> str | None:
     return None
 
 
+def process_environment(coordinator: str, num_processes: int, process_id: int) -> dict[str, str]:
+    """The variables that give a process its place in a run (what ``process_settings``
+    reads back): set them in a process's environment instead of passing the flags."""
+    return {
+        ENV_COORDINATOR: coordinator,
+        ENV_NUM_PROCESSES: str(num_processes),
+        ENV_PROCESS_ID: str(process_id),
+    }
+
+
 def process_settings(
     coordinator: str | None = None,
     num_processes: int | None = None,
