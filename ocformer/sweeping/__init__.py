@@ -2,7 +2,7 @@
 seeds, every point through ``python -m ocformer.train``, with results tables and plots.
 The command line is ``python -m ocformer.sweep``."""
 
-from ._launch import plan as plan, run_sweep as run_sweep
+from ._driver import plan as plan, run_sweep as run_sweep
 from ._points import (
     Evaluation as Evaluation,
     Point as Point,

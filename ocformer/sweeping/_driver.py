@@ -1,5 +1,6 @@
-"""A sweep from file to results: resolve and validate every point, check the work
-directory, run the unfinished points (locally or as a SLURM job array), report."""
+"""The sweep driver: a sweep from file to results. Resolve and validate every point,
+check the work directory, run the unfinished points (locally or as a SLURM job array),
+report."""
 
 import json
 import os
