@@ -1,0 +1,132 @@
+"""What a Hugging Face model family (``model_type``) supplies to the conversion, and the
+helpers the families share: reading ``config.json`` values with errors that name the
+key, and moving torch-layout arrays into and out of ocformer's modules.
+
+Each family (``_gpt2``, ``_bert``, ``_vit``) is one ``Family`` value; ``_pretrained``
+holds the table of them. What is the same for every family lives apart: the directory on
+disk in ``_directory``, matching and checking tensor names in ``_matching``.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+
+from ..controls import NormParams
+from ..models import SequenceModel
+from ..operators import Activation
+
+Shapes = dict[str, tuple[int, ...]]
+
+# Hugging Face activation names -> the feed-forward sub-step. "gelu" is the exact (erf)
+# GELU; "gelu_new" and "gelu_pytorch_tanh" are its tanh approximation (GPT-2).
+ACTIVATIONS: dict[str, Activation] = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one ``model_type`` needs.
+
+    Attributes:
+        prefix: the base model's tensor prefix, optional in a checkpoint.
+        base_architecture: the ``transformers`` class of the base model (no head),
+            whose checkpoints name tensors without ``prefix``.
+        shapes: config -> (required tensors, {head name: its tensors}), canonical names
+            (without the prefix); a head is present with all its tensors or absent.
+        build: (config, tensors, heads present) -> the model's pieces.
+        export: (model, config) -> (canonical tensors, config updates); the updates
+            name the ``architectures`` written.
+    """
+
+    prefix: str
+    base_architecture: str
+    shapes: Callable[[dict], tuple[Shapes, dict[str, Shapes]]]
+    build: Callable[[dict, Mapping[str, np.ndarray], frozenset[str]], dict]
+    export: Callable[[SequenceModel, dict], tuple[dict[str, np.ndarray], dict]]
+
+
+# ---------------------------------------------------------------------------------------
+# Reading config.json.
+
+
+def read_value(config: dict, key: str, default=None, *, required: bool = False):
+    if key not in config or config[key] is None:
+        if required:
+            raise ValueError(f"config.json has no {key!r}, which a {config['model_type']} needs.")
+        return default
+    return config[key]
+
+
+def read_int(config: dict, key: str, default=None) -> int:
+    """A positive integer; required when there is no default."""
+    value = read_value(config, key, default, required=default is None)
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}.")
+    return value
+
+
+def require(config: dict, key: str, allowed, default) -> None:
+    """Refuse an option value the continuous model would not reproduce."""
+    value = config.get(key, default)
+    if value not in allowed:
+        raise ValueError(
+            f"config.json: {key}={value!r} is not supported for {config['model_type']} "
+            f"(supported: {list(allowed)}); the continuous model would not reproduce it."
+        )
+
+
+def read_activation(config: dict, key: str) -> Activation:
+    name = config.get(key)
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"config.json: {key}={name!r} is not supported; supported activations: "
+            f"{sorted(ACTIVATIONS)} ('gelu' is the exact erf GELU, 'gelu_new' its tanh "
+            "approximation)."
+        )
+    return ACTIVATIONS[name]
+
+
+def read_eps(config: dict, key: str) -> float:
+    eps = config.get(key)
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"config.json: {key} must be a number >= 0, got {eps!r}.")
+    return float(eps)
+
+
+def read_heads(config: dict, key: str, d: int) -> int:
+    heads = read_int(config, key)
+    if d % heads:
+        raise ValueError(f"config.json: {key}={heads} does not divide the width {d}.")
+    return heads
+
+
+# ---------------------------------------------------------------------------------------
+# Arrays.
+
+
+def linear(w: np.ndarray) -> np.ndarray:
+    """A torch ``Linear`` weight (out, in) as a kernel acting on the right (in, out), and
+    back: the transpose."""
+    return np.ascontiguousarray(w.T)
+
+
+def norm_dict(t: Mapping[str, np.ndarray], name: str) -> dict:
+    """The LayerNorm ``name`` of the tensors ``t`` as ``from_layers``' ``final_norm``."""
+    return {"scale": t[f"{name}.weight"], "bias": t[f"{name}.bias"]}
+
+
+def norm_arrays(p: NormParams, name: str) -> dict[str, np.ndarray]:
+    """A LayerNorm's parameters as the tensors of the LayerNorm ``name``."""
+    return {f"{name}.weight": np.asarray(p.scale), f"{name}.bias": np.asarray(p.bias)}
+
+
+def replace_arrays(module, where, arrays, dtype):
+    """``module`` with the arrays at ``where`` replaced by ``arrays`` in ``dtype``."""
+    return eqx.tree_at(where, module, tuple(jnp.asarray(a, dtype) for a in arrays))
