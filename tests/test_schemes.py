@@ -10,7 +10,16 @@ import pytest
 from ocformer.controls import PiecewiseConstant, init_stacked_params
 from ocformer.integration import Discretisation
 from ocformer.models import ContinuousTransformer, rediscretise
-from ocformer.splitting import SCHEMES, Hybrid, Lie, Parallel, Strang
+from ocformer.splitting import (
+    SCHEMES,
+    Hybrid,
+    Lie,
+    Parallel,
+    ProjectedSolver,
+    Strang,
+    inner_solver,
+    with_inner_solver,
+)
 
 L, D, DFF, H, N = 2, 8, 12, 2, 5
 LN_EPS = 1e-5
@@ -224,6 +233,27 @@ def test_strang_on_projected_is_second_order_only_with_the_projection_first(sequ
     assert model.order() == order
     # Euler sub-steps cap every sequence at 1.
     assert rediscretise(model, stepper=Strang(sequence=sequence)).order() == 1
+
+
+def test_inner_solver_is_the_stepper_inside_the_projection():
+    scheme = Strang(sub_solver="midpoint")
+    projected = ContinuousTransformer(
+        _control("scalar"),
+        norm="post",
+        num_heads=H,
+        formulation="projected",
+        discretisation=Discretisation(scheme),
+    )
+    stepper = projected.time_stepper()
+    assert isinstance(stepper, ProjectedSolver)
+    assert inner_solver(stepper) is stepper.solver
+    assert inner_solver(stepper) == scheme
+    split = _pre(scheme).time_stepper()
+    assert inner_solver(split) is split
+    # Replacing the inner solver keeps the projection where there is one, and only there.
+    heun = diffrax.Heun()
+    assert with_inner_solver(stepper, heun) == ProjectedSolver(heun)
+    assert with_inner_solver(split, heun) is heun
 
 
 def test_closing_projection_takes_eps_over_4_only_after_the_average(u0):

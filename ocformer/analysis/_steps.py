@@ -23,7 +23,7 @@ from ..controls import AbstractControl, LayerParams
 from ..dynamics import AbstractSplitTerm, DynamicsArgs, project_onto_set
 from ..integration import bind_solver, time_grid
 from ..models import ContinuousTransformer
-from ..splitting import AbstractSplittingSolver, Lie, ProjectedSolver, Strang
+from ..splitting import AbstractSplittingSolver, Lie, Strang, inner_solver, with_inner_solver
 
 
 class ShiftedControl(AbstractControl):
@@ -137,7 +137,7 @@ class StepMap(eqx.Module):
 
     def _inner(self):
         stepper = self.transformer.time_stepper()
-        return stepper.solver if isinstance(stepper, ProjectedSolver) else stepper
+        return inner_solver(stepper)
 
     @property
     def num_steps(self) -> int:
@@ -206,10 +206,9 @@ def _forward_differentiable(stepper):
     stage loop has no forward-mode derivative (the Lyapunov exponents need one) and a
     plain ``lax.while_loop`` no reverse-mode one (the costates need that); the bounded
     loop has both, and the numbers are the same."""
-    if isinstance(stepper, ProjectedSolver):
-        return ProjectedSolver(_forward_differentiable(stepper.solver))
-    if isinstance(stepper, diffrax.AbstractRungeKutta):
-        return dataclasses.replace(stepper, scan_kind="bounded")
+    inner = inner_solver(stepper)
+    if isinstance(inner, diffrax.AbstractRungeKutta):
+        return with_inner_solver(stepper, dataclasses.replace(inner, scan_kind="bounded"))
     return stepper
 
 

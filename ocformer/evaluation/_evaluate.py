@@ -21,7 +21,7 @@ import numpy as np
 from ..checkpointing import CheckpointManager
 from ..config import Config, ConfigError, apply_overrides, to_dict, validate
 from ..models import rediscretise
-from ..splitting import ProjectedSolver
+from ..splitting import inner_solver
 from ..training import SolverFailure, build, build_discretisation, load_run, make_eval_step
 
 # The config section that describes how the equation is discretised (nothing else may
@@ -73,7 +73,7 @@ def evaluations_per_step(stepper) -> tuple[int, bool] | None:
     """(vector-field evaluations per step, first-same-as-last) of a diffrax Runge-Kutta
     solver, from its Butcher tableau; ``None`` for anything else (splitting schemes
     evaluate sub-flows, not the full vector field)."""
-    inner = stepper.solver if isinstance(stepper, ProjectedSolver) else stepper
+    inner = inner_solver(stepper)
     if isinstance(inner, diffrax.Euler):
         return 1, False
     tableau = getattr(inner, "tableau", None)

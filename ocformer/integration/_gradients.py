@@ -17,7 +17,7 @@ import jax
 
 from .._compat import diffrax_loop
 from ..controls import AbstractControl
-from ..splitting import ProjectedSolver
+from ..splitting import inner_solver
 from ._grid import backward_grid_controller
 
 
@@ -85,14 +85,12 @@ class OptimiseThenDiscretise(AbstractGradientMethod):
     name: ClassVar[str] = "optimise_then_discretise"
 
     def adjoint(self, stepper, control, steps_per_layer, adaptive):
-        kwargs = {}
-        if isinstance(stepper, ProjectedSolver):
-            # The projection after each step keeps the discrete states on S1; the exact
-            # solution of the projected dynamics stays there by itself. The continuous
-            # adjoint is that of the tangent field alone, so the backward solve (on the
-            # augmented state (u, a, ...), which has no S1 to project onto) uses the
-            # wrapped solver.
-            kwargs["solver"] = stepper.solver
+        # The projection after each step keeps the discrete states on S1; the exact
+        # solution of the projected dynamics stays there by itself. The continuous
+        # adjoint is that of the tangent field alone, so the backward solve (on the
+        # augmented state (u, a, ...), which has no S1 to project onto) uses the solver
+        # inside the projection; any other stepper is its own inner solver.
+        kwargs: dict = {"solver": inner_solver(stepper)}
         if not adaptive:
             # The forward grid (StepTo, or stepping over the control's jumps) is walked
             # backward from t1: with plain constant steps the first backward stage of

@@ -10,7 +10,7 @@ from diffrax import RESULTS
 from jaxtyping import Array, Bool, Float
 
 from ..controls import AbstractControl
-from ..splitting import AbstractSplittingSolver, ProjectedSolver
+from ..splitting import AbstractSplittingSolver, inner_solver
 
 
 def time_dtype(state_dtype) -> jnp.dtype:
@@ -38,7 +38,7 @@ def _jump_flags(solver: diffrax.AbstractSolver, control: AbstractControl, times)
     """Which points of the grid ``times`` (numpy) are jumps that ``solver`` must step
     over. Computed in numpy from the control's static jump times, so it is concrete
     under ``jit`` too."""
-    inner = solver.solver if isinstance(solver, ProjectedSolver) else solver
+    inner = inner_solver(solver)
     jumps = control.jump_ts
     # Splitting schemes read the control once per step, at its midpoint, so a jump on
     # a step boundary is harmless. A Runge-Kutta stage at the end of a step reads it at

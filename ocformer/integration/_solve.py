@@ -3,10 +3,11 @@
 import diffrax
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from ..controls import AbstractControl
 from ..dynamics import DynamicsArgs
-from ..splitting import AbstractSplittingSolver, ProjectedSolver
+from ..splitting import AbstractSplittingSolver, inner_solver, with_inner_solver
 from ._discretisation import Discretisation
 from ._grid import adaptive_controller, adaptive_max_steps, constant_controller, time_grid
 
@@ -14,10 +15,9 @@ from ._grid import adaptive_controller, adaptive_max_steps, constant_controller,
 def bind_solver(solver: diffrax.AbstractSolver, terms) -> diffrax.AbstractSolver:
     """Tell splitting schemes (also inside a ``ProjectedSolver``) how many terms they
     split; other solvers are returned unchanged."""
-    if isinstance(solver, ProjectedSolver):
-        return ProjectedSolver(bind_solver(solver.solver, terms))
-    if isinstance(solver, AbstractSplittingSolver):
-        return solver.for_terms(terms)
+    inner = inner_solver(solver)
+    if isinstance(inner, AbstractSplittingSolver):
+        return with_inner_solver(solver, inner.for_terms(terms))
     return solver
 
 
@@ -46,9 +46,14 @@ def solve(
       ``ADAPTIVE_STEPS_PER_LAYER`` times the grid's step count;
     - the adjoint is ``discretisation.gradient.adjoint(...)`` for this grid.
 
-    Time is at least float32 whatever the state's dtype (``time_dtype``). diffrax
-    integrates in the promoted dtype of state and time, so a bfloat16 (or float16)
-    state is stepped in float32; the saved states are cast back to the dtype of ``u0``.
+    Precision: the dtype of ``u0`` is the compute dtype. Time is at least float32
+    whatever it is (``time_dtype``), and diffrax carries the state in the promoted
+    dtype of state and time; that promotion is made here, explicitly: a bfloat16 (or
+    float16) ``u0`` gives a float32 state, a float32 residual stream whose updates
+    ``u + dt * f`` are float32 sums, while the terms compute their fields (every matrix
+    product of attention and the feed-forward maps) in the dtype of ``u0``
+    (``DynamicsArgs.compute_dtype``). The saved states are cast back to the dtype of
+    ``u0``. With a float32 or float64 ``u0`` state and compute dtype are one.
     """
     ts, num_steps = time_grid(control, discretisation.steps_per_layer, u0.dtype)
     stepper = bind_solver(stepper, terms)
@@ -70,8 +75,8 @@ def solve(
         t0=ts[0],
         t1=ts[-1],
         dt0=ts[1] - ts[0] if adaptive else None,
-        y0=u0,
-        args=DynamicsArgs(control=control, key_mask=key_mask),
+        y0=u0.astype(jnp.promote_types(u0.dtype, ts.dtype)),
+        args=DynamicsArgs(control=control, key_mask=key_mask, compute_dtype=u0.dtype),
         stepsize_controller=controller,
         max_steps=max_steps,
         adjoint=adjoint,
@@ -79,6 +84,6 @@ def solve(
     )
     if sol.ys is None or jax.tree.leaves(sol.ys)[0].dtype == u0.dtype:
         return sol
-    # diffeqsolve promoted y0 to the dtype of time (see ``time_dtype``).
+    # The state was carried in the dtype of time (see above and ``time_dtype``).
     ys = jax.tree.map(lambda y: y.astype(u0.dtype), sol.ys)
     return eqx.tree_at(lambda s: s.ys, sol, ys)

@@ -30,6 +30,7 @@ from ..operators import Activation, Attention, FeedForward, Grid, LayerNormProje
 from ..splitting import (
     AbstractSplittingSolver,
     ProjectedSolver,
+    inner_solver,
     is_imex,
     with_root_tolerances,
 )
@@ -356,7 +357,7 @@ class ContinuousTransformer(eqx.Module):
         if not substeps:
             return sol.ts, sol.ys
         stepper = self.time_stepper()
-        inner = stepper.solver if isinstance(stepper, ProjectedSolver) else stepper
+        inner = inner_solver(stepper)
         if not isinstance(inner, AbstractSplittingSolver):
             raise ValueError(
                 f"substeps=True needs a splitting scheme; {type(inner).__name__} has "

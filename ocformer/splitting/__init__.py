@@ -2,7 +2,11 @@
 and the diffrax solvers by name."""
 
 from ._base import AbstractSplittingSolver as AbstractSplittingSolver, Lie as Lie
-from ._projected import ProjectedSolver as ProjectedSolver
+from ._projected import (
+    ProjectedSolver as ProjectedSolver,
+    inner_solver as inner_solver,
+    with_inner_solver as with_inner_solver,
+)
 from ._schemes import (
     SCHEMES as SCHEMES,
     Hybrid as Hybrid,

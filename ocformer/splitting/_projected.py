@@ -50,3 +50,17 @@ class ProjectedSolver(diffrax.AbstractSolver):
 
     def func(self, terms, t0, y0, args):
         return self.solver.func(terms, t0, y0, args)
+
+
+def inner_solver(stepper: diffrax.AbstractSolver) -> diffrax.AbstractSolver:
+    """The solver that steps the dynamics: the one a ``ProjectedSolver`` wraps, or
+    ``stepper`` itself."""
+    return stepper.solver if isinstance(stepper, ProjectedSolver) else stepper
+
+
+def with_inner_solver(
+    stepper: diffrax.AbstractSolver, solver: diffrax.AbstractSolver
+) -> diffrax.AbstractSolver:
+    """``stepper`` with ``solver`` in place of its ``inner_solver``: wrapped in the
+    projection if ``stepper`` is a ``ProjectedSolver``, ``solver`` itself otherwise."""
+    return ProjectedSolver(solver) if isinstance(stepper, ProjectedSolver) else solver
