@@ -158,6 +158,23 @@ def test_operator_options_out_of_range():
         Attention(num_heads=0)
 
 
+@pytest.mark.parametrize("steps", [0, -2, 2.0, True, "4"])
+def test_steps_per_layer_is_refused_alike_by_the_discretisation_and_the_grid(steps):
+    """One check of steps per layer: a ``Discretisation`` and the time grid refuse the
+    same values with the same message (True is no step count, though an int)."""
+    from ocformer.controls import PiecewiseConstant, init_stacked_params
+    from ocformer.integration import Discretisation, time_grid
+
+    expected = f"steps_per_layer must be a positive integer, got {steps!r}."
+    with pytest.raises(ValueError) as made:
+        Discretisation(steps_per_layer=steps)
+    control = PiecewiseConstant(init_stacked_params(jax.random.key(0), 2, 4, 8))
+    with pytest.raises(ValueError) as gridded:
+        time_grid(control, steps, jnp.float32)
+    assert str(made.value) == str(gridded.value) == expected
+    assert time_grid(control, 3, jnp.float32)[1] == 2 * 3
+
+
 # ---------------------------------------------------------------------------------------
 # The state and the mask.
 

@@ -8,6 +8,7 @@ import equinox as eqx
 
 from ..splitting import AbstractSplittingSolver, Lie
 from ._gradients import AbstractGradientMethod, DiscretiseThenOptimise
+from ._grid import check_steps_per_layer
 
 StepSize = Literal["constant", "pid"]
 STEPSIZES: tuple[str, ...] = ("constant", "pid")
@@ -81,9 +82,7 @@ class Discretisation(eqx.Module):
                 "Discretisation.gradient must be a gradient method (ocformer.integration."
                 f"DiscretiseThenOptimise(), ...), got {type(self.gradient).__name__}."
             )
-        m = self.steps_per_layer
-        if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
-            raise ValueError(f"steps_per_layer must be a positive integer, got {m!r}.")
+        check_steps_per_layer(self.steps_per_layer)
         if self.stepsize not in STEPSIZES:
             raise ValueError(
                 f"stepsize must be one of {', '.join(map(repr, STEPSIZES))}, got {self.stepsize!r}."

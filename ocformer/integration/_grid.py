@@ -24,11 +24,22 @@ def time_dtype(state_dtype) -> jnp.dtype:
     return jnp.promote_types(state_dtype, jnp.float32)
 
 
+def check_steps_per_layer(steps_per_layer) -> int:
+    """``steps_per_layer``, after checking that it is a positive integer (not a bool).
+
+    Raises:
+        ValueError: naming the value received.
+    """
+    m = steps_per_layer
+    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
+        raise ValueError(f"steps_per_layer must be a positive integer, got {m!r}.")
+    return m
+
+
 def time_grid(control: AbstractControl, steps_per_layer: int, dtype):
     """The step grid: ``steps_per_layer`` equal steps per piece of the layer grid, in
     ``time_dtype(dtype)`` for a state of ``dtype`` (at least float32)."""
-    if not (isinstance(steps_per_layer, int) and steps_per_layer >= 1):
-        raise ValueError(f"steps_per_layer must be a positive integer, got {steps_per_layer!r}.")
+    check_steps_per_layer(steps_per_layer)
     t0, t1 = control.interval
     num_steps = control.num_layers * steps_per_layer
     return jnp.linspace(t0, t1, num_steps + 1, dtype=time_dtype(dtype)), num_steps
