@@ -15,6 +15,8 @@ on the layer grid. Recovery means a maximum relative error of at most 1e-12 in f
 layer, with and without a batch axis.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 from _layers import random_input, random_stack
 
+from ocformer import Discretisation, Lie, Strang, rediscretise
 from ocformer.convert import LAYER_KEYS, from_layers, to_layers
 
 F64_TOL = 1e-12
@@ -399,3 +402,37 @@ def test_to_layers_inverts_from_layers(kwargs):
     u0 = jnp.asarray(random_input(51, 2, 5, 10))
     again = from_layers(back, norm="post", num_heads=2)
     assert rel_err(again(u0), model(u0)) <= 1e-14
+
+
+@pytest.mark.parametrize(
+    "changes, differ",
+    [
+        ({"stepper": Strang()}, {"stepper='strang' (standard: 'lie')"}),
+        ({"steps_per_layer": 2}, {"steps_per_layer=2 (standard: 1)"}),
+        ({"stepper": Lie(sub_solver="heun")}, {"sub_solver='heun' (standard: 'euler')"}),
+        (
+            {"stepper": Strang(), "steps_per_layer": 2},
+            {"stepper='strang' (standard: 'lie')", "steps_per_layer=2 (standard: 1)"},
+        ),
+    ],
+    ids=["strang", "two-steps", "heun-sub-solver", "strang-two-steps"],
+)
+def test_to_layers_refuses_a_rediscretised_model(changes, differ):
+    """Re-discretised, the model is another function of its input, which its layers, read
+    back as the standard stack, would not compute: to_layers refuses it, naming exactly
+    the fields that differ; discretised back to Discretisation(), it gives the layers
+    again."""
+    layers = random_stack(52, 3, 6, 5)
+    final = {"scale": np.full(6, 1.5), "bias": np.linspace(-1, 1, 6)}
+    model = from_layers(layers, norm="pre", num_heads=2, activation="gelu", final_norm=final)
+    other = rediscretise(model, **changes)
+    u0 = jnp.asarray(random_input(52, 2, 4, 6))
+    assert rel_err(other(u0), model(u0)) > 1e-4  # not the stack's function
+    with pytest.raises(ValueError, match=r"to_layers writes the standard layer stack") as e:
+        to_layers(other)
+    named = set(re.findall(r"\w+=\S+ \(standard: [^)]*\)", str(e.value)))
+    assert named == differ
+    back = to_layers(rediscretise(other, Discretisation()))
+    for original, recovered in zip(to_layers(model), back, strict=True):
+        for k in LAYER_KEYS:
+            np.testing.assert_array_equal(recovered[k], original[k], err_msg=k)

@@ -12,6 +12,19 @@ from ..controls._params import AttentionParams, FeedForwardParams, LayerParams, 
 from ..models._transformer import ContinuousTransformer, NormPosition
 from ..operators import Activation
 
+# What makes a model the standard layer stack, in the plain values of its ``choices()``:
+# the stepper and grid of ``Discretisation()`` (the Lie scheme, one explicit-Euler step
+# per layer, constant steps), the split formulation, one parameter set per layer. Only
+# this discretisation *is* the stack that from_layers read and to_layers writes.
+STANDARD_LAYER_STACK: dict[str, object] = {
+    "stepper": "lie",
+    "sub_solver": "euler",
+    "steps_per_layer": 1,
+    "stepsize": "constant",
+    "formulation": "split",
+    "controls": "piecewise_constant",
+}
+
 LAYER_KEYS: tuple[str, ...] = (
     "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
     "w1", "b1", "w2", "b2",
@@ -192,19 +205,65 @@ def from_layers(
     )
 
 
+def nonstandard_fields(model: ContinuousTransformer) -> dict[str, tuple]:
+    """``{field: (the model's value, the standard value)}`` for each field of
+    ``model.choices()`` in which it differs from ``STANDARD_LAYER_STACK``; empty when the
+    model is the standard layer stack."""
+    choices = model.choices()
+    return {
+        name: (getattr(choices, name), standard)
+        for name, standard in STANDARD_LAYER_STACK.items()
+        if getattr(choices, name) != standard
+    }
+
+
+def check_standard(model: ContinuousTransformer, who: str) -> None:
+    """Refuse to write ``model`` as a layer stack unless it is the standard one.
+
+    A layer stack is read back (by ``from_layers``, by ``transformers``) as the standard
+    discretisation; written from any other, it would silently be a different function.
+
+    Raises:
+        ValueError: ``model`` is not a ``ContinuousTransformer``, or differs from the
+            standard layer stack; the message names each field that differs.
+    """
+    if not isinstance(model, ContinuousTransformer):
+        raise ValueError(f"{who} takes a ContinuousTransformer, got {type(model).__name__}.")
+    differ = nonstandard_fields(model)
+    if not differ:
+        return
+    listed = ", ".join(f"{k}={v!r} (standard: {s!r})" for k, (v, s) in differ.items())
+    fixes = []
+    if differ.keys() - {"formulation", "controls"}:
+        fixes.append("ocformer.models.rediscretise(model, Discretisation())")
+    if "formulation" in differ:
+        fixes.append("ocformer.models.reformulate(model, formulation='split')")
+    if "controls" in differ:
+        fixes.append("piecewise-constant controls sampled on the layer grid")
+    raise ValueError(
+        f"{who} writes the standard layer stack: the Lie scheme with one explicit-Euler "
+        "step per layer at constant steps, the split formulation and piecewise-constant "
+        f"controls (one parameter set per layer). This model differs: {listed}; the "
+        "stack would not reproduce it. Write the model it was derived from, or bring it "
+        f"back to the standard with {' and '.join(fixes)}."
+    )
+
+
 def to_layers(model: ContinuousTransformer) -> list[dict]:
     """The inverse of ``from_layers``: the plain per-layer layout, as numpy arrays.
 
-    Needs piecewise-constant controls with two feed-forward maps. ``w1 = E + W_1`` and
-    ``w2 = R + W_2`` are reassembled, so a round trip is exact up to one rounding of the
-    diagonal of those two kernels.
+    Needs the standard layer stack (``STANDARD_LAYER_STACK``: the Lie scheme, one
+    explicit-Euler step per layer, the split formulation, piecewise-constant controls)
+    with two feed-forward maps: under any other discretisation the layers would not
+    reproduce the model. ``w1 = E + W_1`` and ``w2 = R + W_2`` are reassembled, so a
+    round trip is exact up to one rounding of the diagonal of those two kernels.
+
+    Raises:
+        ValueError: ``model`` is discretised otherwise (the fields that differ are
+            named), or has other than two feed-forward maps.
     """
-    if not isinstance(model.control, PiecewiseConstant):
-        raise ValueError(
-            "to_layers needs piecewise-constant controls (one parameter set per layer); "
-            f"got {type(model.control).__name__}. Sample other controls on the layer grid "
-            "first."
-        )
+    check_standard(model, "to_layers")
+    assert isinstance(model.control, PiecewiseConstant)  # "controls" is standard
     out = []
     for p in unstack_layers(model.control.values):
         if len(p.feedforward.weights) != 2:

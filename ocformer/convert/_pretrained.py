@@ -16,9 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..controls._control import PiecewiseConstant
-from ..models import ContinuousTransformer, SequenceModel
-from ..splitting import Lie
+from ..models import SequenceModel
 from ._bert import BERT
 from ._directory import (
     CONFIG_FILE as CONFIG_FILE,  # the file names are read by training's init_from too
@@ -34,6 +32,7 @@ from ._directory import (
 )
 from ._family import Family
 from ._gpt2 import GPT2
+from ._layers import check_standard
 from ._matching import match_names, target_dtype
 from ._vit import VIT
 
@@ -98,30 +97,6 @@ def from_pretrained(
     return SequenceModel(source_config=json.dumps(config, sort_keys=True), **parts)
 
 
-def _check_standard(transformer: ContinuousTransformer) -> None:
-    # The file format stores the layers, which a reader evaluates as the standard stack:
-    # only the discretisation that is that stack may be written.
-    d = transformer.discretisation
-    standard = (
-        isinstance(d.stepper, Lie)
-        and d.stepper.sub_solver == "euler"
-        and d.steps_per_layer == 1
-        and d.stepsize == "constant"
-        and transformer.formulation == "split"
-        and isinstance(transformer.control, PiecewiseConstant)
-    )
-    if not standard:
-        raise ValueError(
-            "to_pretrained writes the standard layer stack, which is the Lie scheme with "
-            "one explicit-Euler step per layer, piecewise-constant controls and the split "
-            "formulation; this model is discretised otherwise (stepper "
-            f"{type(d.stepper).__name__}, steps_per_layer {d.steps_per_layer}, stepsize "
-            f"{d.stepsize!r}, formulation {transformer.formulation!r}). Write the model it "
-            "was derived from, or "
-            "rediscretise it back with ocformer.models.rediscretise(model, Discretisation())."
-        )
-
-
 def to_pretrained(
     model: SequenceModel,
     path: str | os.PathLike,
@@ -154,8 +129,9 @@ def to_pretrained(
 
     Raises:
         ValueError: ``model`` is not a ``SequenceModel`` of a supported family, or its
-            transformer is not the standard discretisation (Lie, one step per layer);
-            or ``path`` is a file.
+            transformer is not the standard layer stack (the Lie scheme, one
+            explicit-Euler step per layer, the split formulation, piecewise-constant
+            controls; the fields that differ are named); or ``path`` is a file.
         FileExistsError: ``path`` is a directory that is not empty and that ocformer
             did not write (or holds files besides ocformer's export), and ``overwrite``
             is off. Nothing in it is changed.
@@ -172,7 +148,7 @@ def to_pretrained(
             "bias) no GPT-2, BERT or ViT checkpoint has. Start the run from a checkpoint "
             "(model.init_from=DIR) to be able to export it."
         )
-    _check_standard(model.transformer)
+    check_standard(model.transformer, "to_pretrained")
     files = check_extra_files(files)
     path = os.path.abspath(os.fspath(path))
     check_destination(path, overwrite)
