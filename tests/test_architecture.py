@@ -75,6 +75,50 @@ def test_readme_package_table_lists_the_contract_layers():
     assert drawn == _contract_layers()
 
 
+def _modules_reading_argv() -> set[str]:
+    """The modules of the package that read the command line, as ``python -m`` names."""
+    reads = re.compile(r"\bsys\.argv\b|\bimport argparse\b")
+    out = set()
+    for path in (ROOT / "ocformer").rglob("*.py"):
+        if reads.search(path.read_text()):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out.add(".".join(parts[:-1] if parts[-1] == "__main__" else parts))
+    return out
+
+
+def test_the_docs_name_every_module_that_reads_argv():
+    """README's package table and docs/architecture.md name the modules that read argv
+    (the command-line row and the two others); exactly those read it."""
+    readers = _modules_reading_argv()
+    assert "ocformer.train" in readers and "ocformer.tasks.prepare" in readers  # the scan works
+    readme = (ROOT / "README.md").read_text()
+    [row] = [line for line in readme.splitlines() if "the only modules that read argv" in line]
+    first, rest = row.split(" | ", 1)
+    named = {f"ocformer.{m}" for m in re.findall(r"`(\w+)`", first)}
+    named |= set(re.findall(r"`python -m (ocformer[\w.]*)`", rest))
+    assert named == readers
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    paragraph = re.search(r"\n(\w+) modules read argv.*?\n\n", doc, re.S)
+    assert paragraph, "docs/architecture.md: no paragraph on the modules that read argv"
+    listed = set(re.findall(r"`(?:python -m )?(ocformer[\w.]*)`", paragraph.group(0)))
+    assert listed == readers
+    numbers = [
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+        "six",
+        "seven",
+        "eight",
+        "nine",
+        "ten",
+        "eleven",
+        "twelve",
+    ]
+    assert paragraph.group(1).lower() == numbers[len(readers) - 1]
+
+
 def test_private_names_of_other_libraries_come_from_one_module():
     from diffrax import _root_finder, _term
     from jax._src import distributed
