@@ -505,6 +505,71 @@ def test_two_processes_equal_one_and_survive_a_killed_process(env, tmp_path):
     assert sorted(_losses(back)) == list(range(1, STEPS + 1))
 
 
+def test_launch_local_stops_the_others_when_one_fails(tmp_path, capsys):
+    """A process that fails ends the launch with its code, and the others are stopped:
+    here each training process refuses a missing experiment file (exit 2)."""
+    from ocformer.distributed import launch_local
+
+    missing = str(tmp_path / "missing.py")
+    started = time.monotonic()
+    code = launch_local(2, ["--config", missing, "--workdir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"process [01] \(pid \d+\) exited with code 2; stopping", err), err
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_train_task_requeues_after_the_training_process_checkpointed(env, tmp_path):
+    """SLURM's timeout or preemption signal, as submitit handles it: its handler runs on
+    the thread that waits for the training process and calls ``checkpoint``. The
+    process gets SIGTERM, checkpoints and exits 143, and only then is the task requeued,
+    with the same arguments, without waiting out the grace period."""
+    import threading
+
+    from ocformer.checkpointing import CheckpointManager
+    from ocformer.distributed import GRACE_S, TrainTask
+
+    workdir = tmp_path / "run"
+    args = _train_command(
+        workdir, "train.steps=100000", "train.checkpoint_every=100000",
+        "train.eval_every=100000", "train.log_every=1",
+    )  # fmt: skip
+    task = TrainTask(args)
+    seen: dict = {}
+
+    def requeue(signum, frame):
+        started = time.monotonic()
+        seen["delayed"] = task.checkpoint()
+        seen["waited"] = time.monotonic() - started
+
+    def when_training() -> None:
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.stat().st_size):
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+    previous = signal.signal(signal.SIGUSR2, requeue)
+    signaller = threading.Thread(target=when_training)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        signaller.start()
+        with pytest.raises(RuntimeError, match="exited with code 143"):
+            task()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        signal.signal(signal.SIGUSR2, previous)
+        signaller.join(timeout=60)
+    assert seen["waited"] < GRACE_S, seen["waited"]
+    assert CheckpointManager(str(workdir / "checkpoints")).latest() is not None
+    delayed = seen["delayed"]
+    assert isinstance(delayed.function, TrainTask) and delayed.function.train_args == args
+
+
 def test_slurm_dry_run_prints_a_multi_node_job(capsys):
     code = launch.main(
         ["slurm", "--nodes", "2", "--gpus-per-node", "4", "--partition", "gpu", "--time", "30",

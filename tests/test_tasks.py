@@ -18,6 +18,7 @@ from ocformer.models import (
 )
 from ocformer.tasks import (
     TASKS,
+    AbstractTask,
     CopyTask,
     DataNotFoundError,
     Digits,
@@ -130,6 +131,58 @@ def test_symbol_tasks(cls):
     assert np.all(b["targets"][:, :4] == -1) and np.all(b["targets"][:, 4:] >= 0)
     with pytest.raises(ValueError, match="even integer"):
         cls(7, 5)
+
+
+class _WholeBatchOnly(AbstractTask):
+    """A task that implements only ``batch`` (as a task written outside ocformer may):
+    ``batch_rows`` is the interface's default, the whole batch cut to the rows."""
+
+    kind = "lm"
+    num_classes = None
+
+    def __init__(self):
+        self.seq_len, self.vocab_size, self.whole_batches = 4, 9, 0
+
+    def batch(self, split, index, batch_size, seed):
+        self.whole_batches += 1
+        rng = np.random.default_rng([seed, index])
+        window = rng.integers(0, 9, (batch_size, 5)).astype(np.int32)
+        return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("copy", {"seq_len": 10, "vocab_size": 7}),
+        ("sort", {"seq_len": 10, "vocab_size": 7}),
+        ("digits", {"patch_size": 4}),
+        ("stdlib_char", {"seq_len": 12}),
+    ],
+)
+def test_batch_rows_are_bitwise_the_rows_of_the_whole_batch(name, kwargs):
+    """What one process of a run makes of the global batch: every built-in task draws
+    its rows alone, and they are those of the whole batch, dtype and bits."""
+    task = make_task(name, **kwargs)
+    assert type(task).batch_rows is not AbstractTask.batch_rows  # drawn alone, not cut
+    for split in ("train", "validation"):
+        whole = task.batch(split, 5, 12, 3)
+        parts = [task.batch_rows(split, 5, 12, 3, slice(a, a + 3)) for a in range(0, 12, 3)]
+        for k, v in whole.items():
+            assert all(p[k].dtype == v.dtype and len(p[k]) == 3 for p in parts)
+            assert np.concatenate([p[k] for p in parts]).tobytes() == v.tobytes()
+            odd = task.batch_rows(split, 5, 12, 3, slice(7, 8))[k]
+            assert odd.tobytes() == v[7:8].tobytes()
+            assert task.batch_rows(split, 5, 12, 3, slice(None))[k].tobytes() == v.tobytes()
+    with pytest.raises(ValueError, match="consecutive rows"):
+        task.batch_rows("train", 0, 12, 3, slice(0, 12, 2))
+
+
+def test_batch_rows_of_a_task_with_only_batch_cut_the_whole_batch():
+    task = _WholeBatchOnly()
+    whole = task.batch("train", 2, 8, 1)
+    part = task.batch_rows("train", 2, 8, 1, slice(4, 8))
+    assert task.whole_batches == 2  # the default makes the whole batch
+    assert all(np.array_equal(part[k], whole[k][4:8]) for k in whole)
 
 
 def test_patch_embedding_matches_a_loop(rng):

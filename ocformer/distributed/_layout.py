@@ -229,6 +229,41 @@ class Layout:
         each process transfers only the rows of its own devices."""
         return {k: self.put(np.asarray(v), self.rows) for k, v in batch.items()}
 
+    def process_rows(self, batch_size: int) -> slice:
+        """The rows of a global batch of ``batch_size`` rows that this process's devices
+        hold: all of them in one process. ``make_mesh`` lays the devices out in order,
+        so a process's rows are consecutive; if a device order interleaved them, this is
+        the smallest range that covers them, and ``put_rows`` still places them."""
+        indices = self.rows.addressable_devices_indices_map((batch_size,)).values()
+        spans = [(index or (slice(None),))[0].indices(batch_size)[:2] for index in indices]
+        return slice(min(a for a, _ in spans), max(b for _, b in spans))
+
+    def put_rows(self, batch: dict, rows: slice, batch_size: int) -> dict:
+        """The global batch of ``batch_size`` rows, split by rows over ``data``, from the
+        rows ``rows`` of it (``process_rows(batch_size)``) that this process made: each
+        of its devices takes its slice of them, and no process holds the whole batch."""
+        start, stop, _ = rows.indices(batch_size)
+
+        def one(x):
+            host = np.asarray(x)
+            if len(host) != stop - start:
+                raise ValueError(
+                    f"rows {start}..{stop - 1} of the batch are {stop - start} rows, but "
+                    f"the task made {len(host)}; a task's batch_rows must make exactly "
+                    "the rows asked for"
+                )
+            if self.processes == 1 and len(host) == batch_size:
+                return jax.device_put(host, self.rows)
+
+            def piece(index):
+                first, last, _ = index[0].indices(batch_size)
+                return host[(slice(first - start, last - start), *index[1:])]
+
+            shape = (batch_size, *host.shape[1:])
+            return jax.make_array_from_callback(shape, self.rows, piece)
+
+        return {k: one(v) for k, v in batch.items()}
+
     def put_replicated(self, batch: dict) -> dict:
         return {k: self.put(np.asarray(v), self.replicated) for k, v in batch.items()}
 

@@ -38,6 +38,15 @@ def check_token_ids(tokens, vocab_size: int) -> np.ndarray:
     return tokens
 
 
+def check_rows(rows: slice, batch_size: int) -> slice:
+    """``rows`` as ``slice(start, stop)`` within ``range(batch_size)``, after checking
+    that it is a slice of consecutive rows."""
+    if not (isinstance(rows, slice) and rows.step in (None, 1)):
+        raise ValueError(f"rows must be a slice of consecutive rows (step 1), got {rows!r}.")
+    start, stop, _ = rows.indices(batch_size)
+    return slice(start, max(start, stop))
+
+
 def batch_rng(split: str, index: int, seed: int) -> np.random.Generator:
     """The generator of batch ``index`` of ``split``: seeded by (seed, split, index) alone,
     so a batch is a pure function of its arguments and a resumed run sees the same data."""
@@ -67,6 +76,20 @@ class AbstractTask(abc.ABC):
     @abc.abstractmethod
     def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
         """Batch ``index`` of ``split``; the same arguments always give the same arrays."""
+
+    def batch_rows(
+        self, split: str, index: int, batch_size: int, seed: int, rows: slice
+    ) -> dict[str, np.ndarray]:
+        """Only the rows ``rows`` (a slice of ``range(batch_size)``) of batch ``index``,
+        bitwise equal to those rows of ``batch(split, index, batch_size, seed)``: what
+        one process of a run makes of the global batch.
+
+        This default makes the whole batch and keeps the rows, which is right for every
+        task at the cost of the whole batch on every process; a task that can draw its
+        rows alone (every built-in task) overrides it.
+        """
+        rows = check_rows(rows, batch_size)
+        return {k: v[rows] for k, v in self.batch(split, index, batch_size, seed).items()}
 
     def eval_batches(self, batch_size: int, num_batches: int, seed: int = 0) -> list[dict]:
         """A fixed validation set: batches 0 .. num_batches - 1 of the validation split."""

@@ -5,7 +5,7 @@ from typing import ClassVar, Literal, cast, final
 
 import numpy as np
 
-from ._base import AbstractTask, batch_rng, check_batch_args, check_split
+from ._base import AbstractTask, batch_rng, check_batch_args, check_rows, check_split
 
 NUM_VALIDATION = 297  # 1797 images: 1500 for training, 297 held out.
 _SPLIT_SEED = 20240601  # fixed: the split never depends on a run's seed
@@ -58,12 +58,19 @@ class Digits(AbstractTask):
         }
 
     def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+        return self.batch_rows(split, index, batch_size, seed, slice(None))
+
+    def batch_rows(
+        self, split: str, index: int, batch_size: int, seed: int, rows: slice
+    ) -> dict[str, np.ndarray]:
         check_split(split)
         check_batch_args(index, batch_size, seed)
+        rows = check_rows(rows, batch_size)
         images, labels = self.splits[split]
         if batch_size > len(labels):
             raise ValueError(
                 f"batch_size={batch_size} exceeds the {len(labels)} images of the {split} split."
             )
         pick = batch_rng(split, index, seed).choice(len(labels), size=batch_size, replace=False)
+        pick = pick[rows]
         return {"inputs": images[pick], "targets": labels[pick]}

@@ -5,7 +5,7 @@ from typing import ClassVar, Literal, final
 
 import numpy as np
 
-from ._base import AbstractTask, batch_rng, check_batch_args, check_split
+from ._base import AbstractTask, batch_rng, check_batch_args, check_rows, check_split
 
 SEPARATOR = 0
 
@@ -41,12 +41,19 @@ class AbstractSymbolTask(AbstractTask):
         """The sequence to emit after the separator, per row of ``source``."""
 
     def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+        return self.batch_rows(split, index, batch_size, seed, slice(None))
+
+    def batch_rows(
+        self, split: str, index: int, batch_size: int, seed: int, rows: slice
+    ) -> dict[str, np.ndarray]:
         check_split(split)
         check_batch_args(index, batch_size, seed)
+        rows = check_rows(rows, batch_size)
         k = self.seq_len // 2
         rng = batch_rng(split, index, seed)
-        source = rng.integers(1, self.vocab_size, size=(batch_size, k), dtype=np.int64)
-        sep = np.full((batch_size, 1), SEPARATOR, dtype=np.int64)
+        # The whole batch's draw (cheap) fixes the rows; only the rows are built.
+        source = rng.integers(1, self.vocab_size, size=(batch_size, k), dtype=np.int64)[rows]
+        sep = np.full((len(source), 1), SEPARATOR, dtype=np.int64)
         full = np.concatenate([source, sep, self.target(source)], axis=1).astype(np.int32)
         targets = full[:, 1:].copy()
         targets[:, : k - 1] = -1

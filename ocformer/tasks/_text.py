@@ -11,6 +11,7 @@ from ._base import (
     DataNotFoundError,
     batch_rng,
     check_batch_args,
+    check_rows,
     check_split,
     check_token_ids,
 )
@@ -65,9 +66,19 @@ class CharCorpus:
         tokens = check_token_ids(tokens, self.vocab_size)
         return "".join(chr(c) for c in self.symbols[tokens.astype(np.int64)])
 
-    def windows(self, split: str, index: int, batch_size: int, seed: int, seq_len: int):
-        """Random windows of seq_len + 1 symbols: inputs and next-symbol targets."""
+    def windows(
+        self,
+        split: str,
+        index: int,
+        batch_size: int,
+        seed: int,
+        seq_len: int,
+        rows: slice = slice(None),
+    ):
+        """Random windows of seq_len + 1 symbols: inputs and next-symbol targets; only
+        the rows ``rows`` of the batch."""
         check_batch_args(index, batch_size, seed)
+        rows = check_rows(rows, batch_size)
         data = self.splits[split]
         if len(data) < seq_len + 1:
             raise ValueError(
@@ -75,7 +86,7 @@ class CharCorpus:
                 f"{seq_len + 1}; use a shorter seq_len."
             )
         rng = batch_rng(split, index, seed)
-        starts = rng.integers(0, len(data) - seq_len, size=batch_size)
+        starts = rng.integers(0, len(data) - seq_len, size=batch_size)[rows]
         window = data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
         return {"inputs": window[:, :-1], "targets": window[:, 1:]}
 
@@ -101,8 +112,13 @@ class AbstractCharTask(AbstractTask):
     corpus: CharCorpus
 
     def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+        return self.batch_rows(split, index, batch_size, seed, slice(None))
+
+    def batch_rows(
+        self, split: str, index: int, batch_size: int, seed: int, rows: slice
+    ) -> dict[str, np.ndarray]:
         check_split(split)
-        return self.corpus.windows(split, index, batch_size, seed, self.seq_len)
+        return self.corpus.windows(split, index, batch_size, seed, self.seq_len, rows)
 
     def encode(self, text: str) -> np.ndarray:
         """Symbol ids (int32) of ``text``."""

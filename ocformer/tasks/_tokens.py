@@ -5,7 +5,14 @@ from typing import ClassVar, Literal, final
 
 import numpy as np
 
-from ._base import AbstractTask, batch_rng, check_batch_args, check_split, check_token_ids
+from ._base import (
+    AbstractTask,
+    batch_rng,
+    check_batch_args,
+    check_rows,
+    check_split,
+    check_token_ids,
+)
 from ._dataset import DatasetError, open_dataset
 
 
@@ -48,18 +55,20 @@ class Tokens(AbstractTask):
                     f"seq_len + 1 = {seq_len + 1}; use a shorter task.seq_len or more text"
                 )
 
-    def batch(
-        self, split: str, index: int, batch_size: int, seed: int, rows: slice | None = None
+    def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
+        return self.batch_rows(split, index, batch_size, seed, slice(None))
+
+    def batch_rows(
+        self, split: str, index: int, batch_size: int, seed: int, rows: slice
     ) -> dict[str, np.ndarray]:
-        """Batch ``index`` of ``split``, or only its ``rows`` (a slice of
-        ``range(batch_size)``): the rows are those of the whole batch, and only their
-        windows are read from disk."""
+        """Only the rows ``rows`` of batch ``index``; only their windows are read from
+        disk."""
         check_split(split)
         check_batch_args(index, batch_size, seed)
+        rows = check_rows(rows, batch_size)
         data = self.dataset.splits[split]
         starts = batch_rng(split, index, seed).integers(0, len(data) - self.seq_len, batch_size)
-        if rows is not None:
-            starts = starts[rows]
+        starts = starts[rows]
         window = np.asarray(data[starts[:, None] + np.arange(self.seq_len + 1)], dtype=np.int64)
         if window.size and int(window.max()) >= self.vocab_size:
             row, col = np.unravel_index(int(np.argmax(window)), window.shape)

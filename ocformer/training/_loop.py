@@ -3,14 +3,15 @@ r"""The training loop: minimise $J(\theta)$ over the controls, checkpointed and 
 Resuming is exact because everything a step depends on is either restored or a pure
 function of the step index: parameters, optimiser state, step, PRNG key and the count
 of skipped updates are in the checkpoint, and batch $n$ is
-``task.batch("train", n, batch_size, seed)``. Everything the run writes goes through
-one ``RunDirectory``.
+``task.batch("train", n, batch_size, seed)`` (``train_batches``). Everything the run
+writes goes through one ``RunDirectory``.
 
 On a mesh of several devices (``config.mesh``, ``ocformer.distributed.Layout``) the
 same loop runs with the batch split over ``data`` and the controls over ``model``. In
-a run of several processes every process runs it: each transfers only its own rows of
-batch $n$ to its devices, process 0 alone writes logs and samples, checkpoints are
-written together, and a stop on SIGTERM is agreed at the same step by all of them.
+a run of several processes every process runs it: each makes only its own rows of
+batch $n$ (``task.batch_rows``) and transfers them to its devices, process 0 alone
+writes logs and samples, checkpoints are written together, and a stop on SIGTERM is
+agreed at the same step by all of them.
 
 In a single process the loop does not wait for the device between steps (a run of
 several processes stays synchronous, see ``train``): batches are prepared ahead by a
@@ -42,6 +43,7 @@ from tqdm.auto import tqdm
 from ..config import Config, from_dict, validate
 from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
+from ..tasks import AbstractTask
 from ._build import Experiment, build
 from ._errors import NonFiniteError, Preempted, SolverFailure
 from ._optimiser import make_schedule, with_schedule
@@ -395,7 +397,6 @@ def train(
         )  # fmt: skip
         if layout.active:
             train_step = layout.compile_train_step(train_step, model, opt_state)
-        place = layout.put_batch if layout.active else _on_device
         evaluation = _Evaluation(exp, layout, model)
         units = config.task.batch_size * (exp.task.seq_len if lm else 1)
         throughput = _Throughput(units, "tok_per_s" if lm else "ex_per_s")
@@ -407,9 +408,7 @@ def train(
         profile = _Profile(tc.profile_steps, os.path.join(run.path, "profile"), is_primary())
         several = layout.processes > 1
 
-        def produce(n: int) -> dict:
-            return place(exp.task.batch("train", n, config.task.batch_size, tc.seed))
-
+        produce = train_batches(exp.task, layout, config.task.batch_size, tc.seed)
         loop_started = time.perf_counter()
         # A run of several processes stays synchronous (batches made in the loop, flags
         # fetched and the stop agreed every step): its steps are programs across
@@ -494,6 +493,20 @@ def train(
     if is_primary():
         _print_summary(summary)
     return summary
+
+
+def train_batches(
+    task: AbstractTask, layout: Layout, batch_size: int, seed: int
+) -> Callable[[int], dict]:
+    """``n -> batch n`` of the training split, on the devices of ``layout``: this
+    process makes only its own rows of the global batch (``task.batch_rows``, bitwise
+    those rows of ``task.batch``), and its devices take them as their slices of it."""
+    rows = layout.process_rows(batch_size)
+    if not layout.active:
+        return lambda n: _on_device(task.batch_rows("train", n, batch_size, seed, rows))
+    return lambda n: layout.put_rows(
+        task.batch_rows("train", n, batch_size, seed, rows), rows, batch_size
+    )
 
 
 def _on_device(batch: dict) -> dict:
