@@ -1,6 +1,16 @@
-"""Many devices and many processes: the device mesh, sharded steps, and joining a run
-of several processes with ``jax.distributed``."""
+"""Many devices and many processes: the device mesh, sharded steps, joining a run of
+several processes with ``jax.distributed``, and starting and stopping those processes
+(on this machine, or as a SLURM job)."""
 
+from ._launcher import (
+    GRACE_S as GRACE_S,
+    LaunchError as LaunchError,
+    TrainTask as TrainTask,
+    launch_local as launch_local,
+    submit_training as submit_training,
+    train_command as train_command,
+    training_job as training_job,
+)
 from ._layout import (
     AXES as AXES,
     Layout as Layout,

@@ -1,0 +1,265 @@
+"""Starting the processes of one training run: several on this machine, or one SLURM
+job of nodes x GPUs tasks.
+
+``launch_local`` starts N training processes on this machine, joined over loopback
+with CPU collectives (gloo): a multi-host run in miniature, for debugging one without a
+cluster. Process 0 hosts the coordinator on a free port; each process gets
+``OCFORMER_COORDINATOR``, ``OCFORMER_NUM_PROCESSES`` and ``OCFORMER_PROCESS_ID``. It
+watches them: when one ends with an error or a signal, it says which, stops the others
+(SIGTERM, then SIGKILL after a grace period) and returns that process's code, so a dead
+process never leaves the others waiting. SIGTERM to the launcher is passed on: the
+processes checkpoint together and exit with 143.
+
+``training_job`` and ``submit_training`` make one SLURM job of N x G tasks, one per
+GPU, through submitit. Every task (``TrainTask``) runs ``python -m ocformer.train``
+with the same arguments; JAX reads each task's place (coordinator, count, id, its GPU)
+from SLURM. On preemption or timeout the training processes checkpoint on SIGTERM and
+the job is requeued; the rerun resumes from that checkpoint.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import submitit
+
+from ._process import process_environment
+from ._processes import SlurmJob, slurm_job, stop_processes
+
+GRACE_S = 30.0
+"""Seconds the other processes get after one fails, before SIGKILL."""
+
+
+class LaunchError(ValueError):
+    """A launch refused before any process starts: a bad count, a taken port, no SLURM.
+
+    The command line reports it and exits with code 2.
+    """
+
+
+def train_command(train_args: Sequence[str]) -> list[str]:
+    """The command of one training process: ``python -m ocformer.train TRAIN_ARGS``."""
+    return [sys.executable, "-m", "ocformer.train", *train_args]
+
+
+def _say(message: str) -> None:
+    print(f"ocformer.launch: {message}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_problem(port: int) -> str | None:
+    """Why process 0 cannot host the coordinator on ``port`` (checked before any process
+    starts), or None."""
+    if not 1 <= port <= 65535:
+        return f"--port {port} is not a port number (1..65535)"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return (
+                f"--port {port} is taken on this machine ({e.strerror}); the coordinator "
+                "of process 0 needs a free port: choose another --port, or leave it out to "
+                "use a free one"
+            )
+    return None
+
+
+def _prefix(stream, tag: str, out) -> None:
+    for line in iter(stream.readline, b""):
+        out.buffer.write(tag.encode() + line)
+        out.flush()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def launch_local(
+    nproc: int, train_args: Sequence[str], *, port: int | None = None, grace_s: float = GRACE_S
+) -> int:
+    """Run ``python -m ocformer.train TRAIN_ARGS`` as ``nproc`` processes joined over
+    loopback (CPU collectives) and watch them.
+
+    Process 0 hosts the coordinator; each process gets its place from
+    ``process_environment``. When one process ends with an error or a signal, the
+    others are stopped (``stop_processes``: SIGTERM, SIGKILL after ``grace_s``).
+    SIGTERM to this process, and Ctrl-C, are passed on to them.
+
+    Args:
+        nproc: how many processes.
+        train_args: the arguments of ``python -m ocformer.train``.
+        port: the coordinator's port on 127.0.0.1 (default: a free one).
+        grace_s: seconds the others get after one process fails, before SIGKILL.
+
+    Returns:
+        The exit code: 0 when every process finished; 143 when they were all stopped
+        by SIGTERM (each checkpointed); else the first failing process's code
+        (``128 + N`` for signal N).
+
+    Raises:
+        LaunchError: ``nproc`` below 1, or ``port`` not a free port (nothing started).
+    """
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be >= 1, got {nproc}")
+    if port is not None:
+        problem = _port_problem(port)
+        if problem is not None:
+            raise LaunchError(problem)
+    address = f"127.0.0.1:{port or _free_port()}"
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    procs: list[subprocess.Popen] = []
+    threads = []
+    for i in range(nproc):
+        child_env = {**env, **process_environment(address, nproc, i)}
+        piped = i > 0  # process 0 keeps the terminal (its progress bar); others are tagged
+        p = subprocess.Popen(
+            train_command(train_args),
+            env=child_env,
+            stdout=subprocess.PIPE if piped else None,
+            stderr=subprocess.STDOUT if piped else None,
+        )
+        procs.append(p)
+        if piped:
+            t = threading.Thread(target=_prefix, args=(p.stdout, f"[process {i}] ", sys.stdout))
+            t.daemon = True
+            t.start()
+            threads.append(t)
+    _say(f"{nproc} processes, coordinator {address}, pids {[p.pid for p in procs]}")
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        code = _supervise(procs, grace_s)
+    except KeyboardInterrupt:
+        forward(signal.SIGINT, None)
+        code = _supervise(procs, grace_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    for t in threads:
+        t.join(timeout=5)
+    for p in procs:
+        if p.stdout is not None:
+            p.stdout.close()
+    return code
+
+
+def _supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
+    """Wait for the processes; when one fails, stop the others and return its code."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, c = failed[0]
+            _say(
+                f"process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
+                f"processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
+            )
+            stop_processes(procs, grace_s)
+            for p in procs:
+                p.wait()  # ended; collect the exit codes
+            if c in (143, -signal.SIGTERM) and all(p.returncode in (143, -15) for p in procs):
+                return 143  # preempted together: every process checkpointed
+            return c if c > 0 else 128 - c
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
+# -- SLURM ---------------------------------------------------------------------
+
+
+class TrainTask(submitit.helpers.Checkpointable):
+    """One SLURM task of the job: ``python -m ocformer.train`` with the job's arguments
+    (JAX reads the task's place from SLURM). On preemption or timeout, SIGTERM lets the
+    process checkpoint, and the job is requeued with the same arguments."""
+
+    def __init__(self, train_args: Sequence[str]):
+        self.train_args = list(train_args)
+        self._proc: subprocess.Popen | None = None
+
+    def __call__(self) -> int:
+        self._proc = subprocess.Popen(train_command(self.train_args))
+        code = self._proc.wait()
+        if code != 0:
+            raise RuntimeError(f"python -m ocformer.train {_describe(code)}")
+        return code
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        proc = self._proc
+        if proc is not None:
+            stop_processes([proc], GRACE_S * 2)
+        self._proc = None
+        return submitit.helpers.DelayedSubmission(TrainTask(self.train_args))
+
+    def __getstate__(self) -> dict:
+        return {"train_args": self.train_args, "_proc": None}
+
+
+def training_job(
+    logs: str,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    cpus_per_task: int = 8,
+    time_min: int = 60,
+    name: str = "ocformer-train",
+    partition: str | None = None,
+) -> SlurmJob:
+    """One SLURM job of ``nodes`` x ``gpus_per_node`` training tasks, one per GPU, with
+    submitit's files under ``logs``.
+
+    Raises:
+        LaunchError: a count or limit below 1.
+    """
+    counts = {
+        "nodes": nodes,
+        "gpus-per-node": gpus_per_node,
+        "cpus-per-task": cpus_per_task,
+        "time": time_min,
+    }
+    for flag, value in counts.items():
+        if value < 1:
+            raise LaunchError(f"--{flag} must be >= 1, got {value}")
+    return slurm_job(
+        logs,
+        name=name,
+        time_min=time_min,
+        cpus_per_task=cpus_per_task,
+        nodes=nodes,
+        tasks_per_node=gpus_per_node,
+        gpus_per_node=gpus_per_node,
+        partition=partition,
+    )
+
+
+def submit_training(job: SlurmJob, train_args: Sequence[str]) -> submitit.Job:
+    """Submit ``job``, every task running ``python -m ocformer.train TRAIN_ARGS``.
+
+    Raises:
+        LaunchError: no SLURM on this machine.
+    """
+    if shutil.which("sbatch") is None:
+        raise LaunchError(
+            "no SLURM on this machine (sbatch not found); run from a SLURM login node, or "
+            "add --dry-run to see the job script"
+        )
+    return job.executor().submit(TrainTask(train_args))
