@@ -3,6 +3,7 @@ float32 to bfloat16's precision; layer-norm statistics, the softmax and the loss
 computed in float32; parameters, optimiser state and checkpoints stay float32."""
 
 import os
+from collections import Counter
 from typing import Any, cast
 
 import equinox as eqx
@@ -91,6 +92,57 @@ def test_statistics_softmax_and_loss_are_float32_under_bfloat16(exp):
     # ... while the products do run in bfloat16.
     dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     assert any(v.aval.dtype == BF16 for e in dots for v in e.invars), "no bfloat16 product"
+
+
+def _loop_dots(jaxpr, in_loop=False):
+    """The operand dtypes of every ``dot_general`` inside a loop (diffeqsolve's step
+    loop: a while or scan), sub-jaxprs included."""
+    for eqn in jaxpr.eqns:
+        loop = in_loop or eqn.primitive.name in ("while", "scan")
+        if loop and eqn.primitive.name == "dot_general":
+            yield tuple(v.aval.dtype for v in eqn.invars)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _loop_dots(inner, loop)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # pre-LN, Lie, one step per layer
+        ["discretisation.steps_per_layer=2", "discretisation.gradient=stored"],
+        ["model.norm=post", "model.activation=relu"],
+        ["model.norm=post", "model.formulation=projected", "controls.norm_affine=scalar"]
+        + ["discretisation.steps_per_layer=2"],
+        ["discretisation.stepper=strang", "discretisation.sub_solver=midpoint"],
+    ],
+    ids=["pre", "pre-m2-stored", "post", "projected-m2", "strang-midpoint"],
+)
+def test_bfloat16_solve_computes_its_products_in_bfloat16(overrides):
+    """Inside the solve's step loop every matrix product of the bfloat16 loss (the
+    Q/K/V and output projections, scores, attention applied, feed-forward maps) has
+    bfloat16 operands, although diffrax carries the state in float32 (the dtype of
+    time): the terms cast their input to the compute dtype. Before they did, the
+    float32 state promoted each product with the bfloat16 controls to float32. In the
+    gradient, the loop's products are bfloat16 too, but for the score cotangents of
+    the attention (float32, as its logits are). The gradient is finite and arrives in
+    the float32 masters' dtype."""
+    exp = build(resolve(SMOKE, SMALL + overrides))
+    batch = _batch(exp)
+    loss = MixedPrecision(exp.objective, "bfloat16")
+    forward = Counter(_loop_dots(jax.make_jaxpr(lambda m: loss(m, batch))(exp.model).jaxpr))
+    assert forward[(BF16, BF16)] >= 6, forward  # at least the six products of one step
+    assert set(forward) == {(BF16, BF16)}, forward
+    grad = eqx.filter_value_and_grad(loss, has_aux=True)
+    backward = Counter(_loop_dots(jax.make_jaxpr(lambda m: grad(m, batch))(exp.model).jaxpr))
+    assert (F32, F32) not in backward, backward
+    assert backward[(BF16, BF16)] > 2 * sum(n for k, n in backward.items() if F32 in k), backward
+    (value, _), g = eqx.filter_jit(grad)(exp.model, batch)
+    leaves = jax.tree.leaves(eqx.filter(g, eqx.is_inexact_array))
+    assert {x.dtype for x in leaves} == {F32}
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in leaves) and np.isfinite(float(value))
 
 
 def test_bfloat16_layer_norm_is_the_float32_one_rounded(rng):

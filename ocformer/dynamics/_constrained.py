@@ -53,7 +53,10 @@ def tangent_projection(
 
     The orthogonal projection (per token, in the feature inner product) onto the
     tangent space of $S_1(\sigma_1, \sigma_2)$ at $u$; independent of $\sigma$.
+    Computed in the promoted dtype of ``u`` and ``v``: a field in the compute dtype
+    (bfloat16) at a float32 state is projected, means included, in float32.
     """
+    v = v.astype(jnp.promote_types(u.dtype, v.dtype))
     n = normalise(u, check=False)
     vc = v - jnp.mean(v, axis=-1, keepdims=True)
     return vc - jnp.mean(vc * n, axis=-1, keepdims=True) * n

@@ -65,7 +65,8 @@ class AbstractExplicitTerm(AbstractSplitTerm):
 
     @abc.abstractmethod
     def field(self, theta: LayerParams, u, args: DynamicsArgs) -> Float[Array, "*batch N d"]:
-        """The vector field with the controls given."""
+        """The vector field with the controls given, computed in ``args.compute_dtype``
+        (from a state ``u`` that may be wider: see ``DynamicsArgs``)."""
 
     def vf(self, t, y, args: DynamicsArgs):
         return self.field(args.control(t), y, args)
@@ -93,9 +94,11 @@ class AttentionTerm(AbstractExplicitTerm):
     pre_norm: LayerNormProjection | None = None
 
     def field(self, theta, u, args):
+        # The pre-norm reads the state before the cast to the compute dtype (its
+        # statistics are float32 either way; so is its input, unrounded).
         if self.pre_norm is not None:
             u = self.pre_norm(theta.norm1, u)
-        return self.attention(theta.attention, u, args.key_mask)
+        return self.attention(theta.attention, args.compute(u), args.key_mask)
 
 
 class FeedForwardTerm(AbstractExplicitTerm):
@@ -108,7 +111,7 @@ class FeedForwardTerm(AbstractExplicitTerm):
     def field(self, theta, u, args):
         if self.pre_norm is not None:
             u = self.pre_norm(theta.norm2, u)
-        return self.feedforward(theta.feedforward, u)
+        return self.feedforward(theta.feedforward, args.compute(u))
 
 
 class ProjectionTerm(AbstractSplitTerm):
@@ -159,8 +162,9 @@ class AveragedFeedForwardTerm(AbstractSplitTerm):
     feedforward: FeedForward
 
     def flow(self, theta, dt, u, args, sub_solver):
-        del args, sub_solver  # the paper's own sub-steps, whatever the scheme's sub-solver
-        return 0.5 * (self.feedforward.chain(theta.feedforward, u, dt) + u)
+        del sub_solver  # the paper's own sub-steps, whatever the scheme's sub-solver
+        # The chain in the compute dtype, the average (the skip) in the state's.
+        return 0.5 * (self.feedforward.chain(theta.feedforward, args.compute(u), dt) + u)
 
     def flow_order(self, sub_solver) -> int:
         # Order 0: not a consistent flow. It does not tend to the identity as dt -> 0

@@ -46,15 +46,17 @@ class FeedForward(eqx.Module):
         # L_j u + dt (h_y u W_j + b_j) = u (L_j + dt h_y W_j) + dt b_j: the fixed part is
         # added on the (small) weight side rather than on the activations. At dt = 1
         # this is a standard dense layer with kernel A_j = L_j + W_j.
+        # The kernel and bias stay in the controls' dtype: a float32 step size (time is
+        # at least float32) would otherwise promote a bfloat16 product to float32.
         if isinstance(dt, float) and dt == 1.0 and self.grid.h_y == 1.0:
             step_w = w
         else:
-            step_w = (dt * self.grid.h_y) * w
+            step_w = ((dt * self.grid.h_y) * w).astype(w.dtype)
         a = jnp.eye(*w.shape, dtype=w.dtype) + step_w
         z = u @ a
         if b is not None:
             if not (isinstance(dt, float) and dt == 1.0):
-                b = dt * b
+                b = (dt * b).astype(b.dtype)
             z = z + constant_in_x(b, z.ndim)
         return z
 
