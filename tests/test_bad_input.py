@@ -129,7 +129,7 @@ def test_layers_must_be_a_list_of_dicts(layers):
 def test_options_out_of_range():
     with pytest.raises(ValueError, match=r"ln_eps must be a number >= 0, got -0.1"):
         from_layers(_layers(), num_heads=2, ln_eps=-0.1)
-    with pytest.raises(ValueError, match=r"norm must be 'post' or 'pre', got 'sandwich'"):
+    with pytest.raises(ValueError, match=r"norm must be one of \('pre', 'post'\), got 'sandwich'"):
         from_layers(_layers(), num_heads=2, norm="sandwich")
     with pytest.raises(ValueError, match=r"activation must be one of .*got 'swish'"):
         from_layers(_layers(), num_heads=2, activation="swish")

@@ -90,6 +90,74 @@ def test_unknown_field_suggests_the_nearest():
     assert "allowed:" in msg and "model.width" in msg
 
 
+def _registries() -> dict:
+    """Each configuration field whose names a library registry holds: the registry."""
+    from ocformer.controls import CONTROL_KINDS, NORM_AFFINES
+    from ocformer.dynamics import SUB_SOLVERS
+    from ocformer.integration import GRADIENT_METHODS, STEPSIZES
+    from ocformer.models import FORMULATIONS, NORM_POSITIONS
+    from ocformer.objective import KERNEL_NORMS, PRECISIONS
+    from ocformer.operators import ACTIVATIONS, ATTENTION_KERNELS
+    from ocformer.splitting import SCHEMES, SOLVERS
+    from ocformer.tasks import TASKS
+
+    return {
+        "model.norm": NORM_POSITIONS,
+        "model.activation": ACTIVATIONS,
+        "model.formulation": FORMULATIONS,
+        "model.precision": (None, *PRECISIONS),
+        "model.attention_kernel": ATTENTION_KERNELS,
+        "controls.kind": CONTROL_KINDS,
+        "controls.norm_affine": NORM_AFFINES,
+        "discretisation.stepper": (*SCHEMES, *SOLVERS),
+        "discretisation.sub_solver": SUB_SOLVERS,
+        "discretisation.stepsize": STEPSIZES,
+        "discretisation.gradient": tuple(GRADIENT_METHODS),
+        "objective.kernel_norm": (None, *KERNEL_NORMS),
+        "task.name": tuple(TASKS),
+    }
+
+
+@pytest.mark.parametrize("path", list(_registries()))
+def test_the_schemas_choices_are_the_registrys_names(path):
+    """A field's allowed names are its registry's, in the schema, in validation's message
+    and in the docs reference."""
+    from ocformer.config import reference_table
+    from ocformer.config._validate import check_keys
+
+    registry = _registries()[path]
+    section, name = path.split(".")
+    assert tuple(check_keys(path).metadata["choices"]) == tuple(registry)
+    bad = dataclasses.replace(Config(), **{section: dataclasses.replace(
+        getattr(Config(), section), **{name: "no-such-name"})})  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        validate(bad)
+    assert e.value.field == path
+    assert str(e.value).endswith("allowed: " + ", ".join(repr(c) for c in registry))
+    row = next(r for r in reference_table().splitlines() if r.startswith(f"| `{path}` "))
+    allowed = " / ".join("None" if c is None else repr(c) for c in registry)
+    assert f"| {allowed} |" in row
+
+
+def test_every_task_is_built_from_the_task_fields_its_registry_entry_names():
+    """The registry's options of each task are ``task.*`` fields and exactly the
+    keyword arguments of its constructor, and ``build_task`` passes the configuration's
+    values of those fields and no others."""
+    import inspect
+
+    from ocformer.config import TaskConfig
+    from ocformer.tasks import TASKS
+    from ocformer.training import _build
+
+    fields = {f.name for f in dataclasses.fields(TaskConfig)}
+    for name, spec in TASKS.items():
+        assert set(spec.options) <= fields, name
+        assert set(spec.options) == set(inspect.signature(spec.make).parameters), name
+    task = TaskConfig(name="shakespeare_char", seq_len=7, data_dir="/d", fallback="stdlib")
+    config = dataclasses.replace(Config(), task=task)
+    assert _build._task_kwargs(config) == {"seq_len": 7, "data_dir": "/d", "fallback": "stdlib"}
+
+
 # (overrides, dotted field expected in the message, words the message must contain)
 BAD_CONFIGS = [
     (["model.num_layer=3"], "model.num_layer", "did you mean model.num_layers"),

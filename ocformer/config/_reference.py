@@ -2,25 +2,11 @@
 
 import dataclasses
 
-from ..dynamics import SUB_SOLVERS
-from ..integration import GRADIENT_METHODS, STEPSIZES
-from ..splitting import SCHEMES
 from ._schema import SECTIONS, Config
 from ._validate import _type_name, field_types, section_class
 
-# Fields whose allowed values come from a registry, not from the schema.
-_REGISTRY_ALLOWED = {
-    "discretisation.stepper": " / ".join(repr(s) for s in SCHEMES)
-    + ", or a diffrax solver name (below)",
-    "discretisation.sub_solver": " / ".join(repr(s) for s in SUB_SOLVERS),
-    "discretisation.stepsize": " / ".join(repr(s) for s in STEPSIZES),
-    "discretisation.gradient": " / ".join(repr(g) for g in GRADIENT_METHODS),
-}
 
-
-def _allowed(path: str, meta) -> str:
-    if path in _REGISTRY_ALLOWED:
-        return _REGISTRY_ALLOWED[path]
+def _allowed(meta) -> str:
     if meta.get("choices"):
         return " / ".join(repr(c) if c is not None else "None" for c in meta["choices"])
     bounds = [
@@ -48,6 +34,6 @@ def reference_table() -> str:
             type_name = _type_name(types[f.name]).replace("|", "\\|")
             doc = f.metadata.get("doc", "").replace("|", "\\|")
             lines.append(
-                f"| `{path}` | {type_name} | `{default!r}` | {_allowed(path, f.metadata)} | {doc} |"
+                f"| `{path}` | {type_name} | `{default!r}` | {_allowed(f.metadata)} | {doc} |"
             )
     return "\n".join(lines) + "\n"

@@ -4,13 +4,24 @@ One schema, eight sections: the equation (``model``, ``controls``), its
 ``discretisation``, the ``objective``, the ``optimiser``, the ``task``, the
 ``train`` loop and the device ``mesh`` it runs on. Every field carries its allowed
 values (choices or a range) as dataclass metadata, so that validation, ``--set``
-parsing and the documentation all read the same source. Nothing here imports JAX: a bad
-configuration is rejected before anything is traced or allocated.
+parsing and the documentation all read the same source. A name the library knows by
+a registry (a task, a formulation, a time stepper, a gradient method, ...) takes its
+choices from that registry, never from a list written here. Nothing here traces or
+allocates: a bad configuration is rejected before anything is.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..controls import CONTROL_KINDS, NORM_AFFINES
+from ..dynamics import SUB_SOLVERS
+from ..integration import GRADIENT_METHODS, STEPSIZES
+from ..models import FORMULATIONS, NORM_POSITIONS
+from ..objective import KERNEL_NORMS, PRECISIONS
+from ..operators import ACTIVATIONS, ATTENTION_KERNELS
+from ..splitting import SCHEMES, SOLVERS
+from ..tasks import TASKS
 
 
 def _field(
@@ -35,16 +46,14 @@ class ModelConfig:
     width: int = _field(32, "feature width d", ge=1)
     num_heads: int = _field(2, "attention heads; must divide width", ge=1)
     hidden: int = _field(64, "feed-forward hidden width d_ff", ge=1)
-    norm: str = _field("pre", "layer-norm position", choices=("pre", "post"))
-    activation: str = _field(
-        "gelu", "hidden pointwise sub-step", choices=("relu", "gelu", "gelu_tanh")
-    )
+    norm: str = _field("pre", "layer-norm position", choices=NORM_POSITIONS)
+    activation: str = _field("gelu", "hidden pointwise sub-step", choices=ACTIVATIONS)
     ln_eps: float = _field(1e-5, "layer-norm epsilon", ge=0.0)
     final_norm: bool = _field(True, "project onto S1 at t = T (the final LayerNorm)")
     formulation: str = _field(
         "split",
         "split equation, projected dynamics on S1, or Moreau-Yosida relaxation",
-        choices=("split", "projected", "relaxed"),
+        choices=FORMULATIONS,
     )
     relaxation_eps: float = _field(1e-2, "epsilon of the relaxed formulation", gt=0.0)
     dtype: str = _field(
@@ -56,7 +65,7 @@ class ModelConfig:
         None,
         "compute dtype of the loss and its gradient (None: model.dtype); layer-norm "
         "statistics, softmax, loss and times stay in float32 or wider",
-        choices=(None, "float32", "bfloat16", "float64"),
+        choices=(None, *PRECISIONS),
     )
     attention: str = _field(
         "dot",
@@ -68,7 +77,7 @@ class ModelConfig:
         "xla",
         "scaled dot-product attention through XLA, or cuDNN's fused kernel (cudnn: NVIDIA "
         "GPUs, bfloat16/float16 states; elsewhere XLA)",
-        choices=("xla", "cudnn"),
+        choices=ATTENTION_KERNELS,
     )
     conv_kernel: int = _field(3, "side k of the convolutional projections' k x k kernels", ge=1)
     conv_init_scale: float = _field(
@@ -92,19 +101,29 @@ class DiscretisationConfig:
     from those registries.
     """
 
-    stepper: str = _field("lie", "time stepper: a splitting scheme or a diffrax solver")
+    stepper: str = _field(
+        "lie",
+        "time stepper: a splitting scheme or a diffrax solver",
+        choices=(*SCHEMES, *SOLVERS),
+    )
     sub_solver: str = _field(
-        "euler", "explicit sub-solver of a splitting scheme's smooth terms (order 1 or 2)"
+        "euler",
+        "explicit sub-solver of a splitting scheme's smooth terms (order 1 or 2)",
+        choices=SUB_SOLVERS,
     )
     steps_per_layer: int = _field(1, "steps per layer m (dt = 1/m); 1 is the Transformer", ge=1)
-    stepsize: str = _field("constant", "step-size controller: constant steps or PID")
+    stepsize: str = _field(
+        "constant", "step-size controller: constant steps or PID", choices=STEPSIZES
+    )
     rtol: float = _field(1e-3, "relative tolerance of the PID controller and Newton", gt=0.0)
     atol: float = _field(1e-6, "absolute tolerance of the PID controller and Newton", gt=0.0)
     jump_ts: bool = _field(
         True, "tell an adaptive controller where piecewise-constant controls jump"
     )
     gradient: str = _field(
-        "discretise_then_optimise", "gradient method (ocformer.integration.GRADIENT_METHODS)"
+        "discretise_then_optimise",
+        "gradient method (ocformer.integration.GRADIENT_METHODS)",
+        choices=tuple(GRADIENT_METHODS),
     )
 
 
@@ -115,13 +134,11 @@ class ControlsConfig:
     kind: str = _field(
         "piecewise_constant",
         "time dependence of theta",
-        choices=("piecewise_constant", "piecewise_linear", "basis", "constant"),
+        choices=CONTROL_KINDS,
     )
     basis_size: int = _field(4, "coefficients K of a basis control", ge=1)
     init_scale: float = _field(1.0, "multiplies every initial kernel's standard deviation", gt=0.0)
-    norm_affine: str = _field(
-        "feature", "layer-norm gain/bias shape", choices=("feature", "scalar")
-    )
+    norm_affine: str = _field("feature", "layer-norm gain/bias shape", choices=NORM_AFFINES)
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,7 @@ class ObjectiveConfig:
         1e-3, "lower bound on sigma2 (layer-norm scale); None: no floor", gt=0.0
     )
     kernel_norm: str | None = _field(
-        None, "norm bounded on every kernel", choices=(None, "frobenius", "spectral")
+        None, "norm bounded on every kernel", choices=(None, *KERNEL_NORMS)
     )
     kernel_bound: float | None = _field(None, "bound on the kernel norm", gt=0.0)
 
@@ -167,7 +184,7 @@ class TaskConfig:
     name: str = _field(
         "copy",
         "task (ocformer.tasks.TASKS)",
-        choices=("shakespeare_char", "stdlib_char", "digits", "copy", "sort", "tokens"),
+        choices=tuple(TASKS),
     )
     seq_len: int = _field(16, "tokens the transformer sees (language and sequence tasks)", ge=1)
     vocab_size: int = _field(8, "symbols of the synthetic tasks (copy, sort)", ge=2)

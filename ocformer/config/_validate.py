@@ -1,10 +1,10 @@
 """Validation of a ``Config``: types, ranges, choices, and combinations that cannot work.
 
 Every error names the dotted field, the value received and what is allowed. Allowed
-names come from the library's registries (schemes, solvers, sub-solvers, gradient
-methods), and combinations are judged by the library's own rule table
-(``ocformer.models.RULES``), the one model construction uses. Validation traces and
-allocates nothing.
+names are the schema's choices, which come from the library's registries (tasks,
+formulations, schemes, solvers, gradient methods, ...), and combinations are judged by
+the library's own rule table (``ocformer.models.RULES``), the one model construction
+uses. Validation traces and allocates nothing.
 """
 
 import dataclasses
@@ -16,8 +16,7 @@ from typing import Any, cast
 
 import diffrax
 
-from ..dynamics import SUB_SOLVERS, SubSolver
-from ..integration import GRADIENT_METHODS, STEPSIZES
+from ..dynamics import SubSolver
 from ..models import Choices, describe_stepper, refusals
 from ..splitting import SCHEMES, SOLVERS
 from ._schema import SECTIONS, Config
@@ -113,7 +112,12 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
     meta = f.metadata
     choices = meta.get("choices")
     if choices is not None and value not in choices:
-        raise ConfigError(path, f"got {value!r}; allowed: {', '.join(repr(c) for c in choices)}")
+        names = [c for c in choices if isinstance(c, str)]
+        near = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(
+            path, f"got {value!r}; {hint}allowed: {', '.join(repr(c) for c in choices)}"
+        )
     if value is None or isinstance(value, str | bool | tuple):
         return
     tests = {
@@ -135,23 +139,6 @@ def stepper_object(name: str, sub_solver: str = "euler") -> diffrax.AbstractSolv
     if name in SCHEMES:
         return SCHEMES[name](sub_solver=cast(SubSolver, sub_solver))
     return SOLVERS[name]()
-
-
-def _check_registered(c: Config) -> None:
-    d = c.discretisation
-    registries = (
-        ("discretisation.stepper", d.stepper, (*SCHEMES, *SOLVERS)),
-        ("discretisation.sub_solver", d.sub_solver, SUB_SOLVERS),
-        ("discretisation.stepsize", d.stepsize, STEPSIZES),
-        ("discretisation.gradient", d.gradient, tuple(GRADIENT_METHODS)),
-    )
-    for path, value, allowed in registries:
-        if value not in allowed:
-            near = difflib.get_close_matches(str(value), allowed, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ConfigError(
-                path, f"got {value!r}{hint} allowed: {', '.join(repr(a) for a in allowed)}"
-            )
 
 
 def choices(c: Config) -> Choices:
@@ -219,7 +206,6 @@ def _check_combinations(c: Config) -> None:
             "model.conv_kernel",
             f"{m.conv_kernel} has no centre cell: the kernel side must be odd (1, 3, 5, ...)",
         )
-    _check_registered(c)
     found = refusals(choices(c))
     if found:
         raise ConfigError(found[0].field, found[0].message)

@@ -9,6 +9,8 @@ from ._control import (
 )
 from ._conv import ConvAttentionParams as ConvAttentionParams
 from ._init import (
+    NORM_AFFINES as NORM_AFFINES,
+    NormAffine as NormAffine,
     init_layer_params as init_layer_params,
     init_stacked_params as init_stacked_params,
 )

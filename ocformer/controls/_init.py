@@ -1,10 +1,17 @@
 """Random initial controls."""
 
+from typing import Literal, get_args
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 
 from ._params import AttentionParams, FeedForwardParams, LayerParams, NormParams
+
+# The shape of the layer-norm controls: a gain and bias per feature, or the paper's
+# scalar sigma1, sigma2.
+NormAffine = Literal["feature", "scalar"]
+NORM_AFFINES: tuple[str, ...] = get_args(NormAffine)
 
 
 def init_layer_params(
@@ -14,7 +21,7 @@ def init_layer_params(
     *,
     biases: bool = True,
     output_map: bool = True,
-    norm_affine: str = "feature",
+    norm_affine: NormAffine = "feature",
     init_scale: float = 1.0,
     dtype=jnp.float32,
 ) -> LayerParams:
@@ -36,8 +43,8 @@ def init_layer_params(
         init_scale: multiplies every kernel's standard deviation.
         dtype: floating dtype of the arrays.
     """
-    if norm_affine not in ("feature", "scalar"):
-        raise ValueError(f"norm_affine must be 'feature' or 'scalar', got {norm_affine!r}.")
+    if norm_affine not in NORM_AFFINES:
+        raise ValueError(f"norm_affine must be one of {NORM_AFFINES}, got {norm_affine!r}.")
     if width < 1 or hidden < 1:
         raise ValueError(f"width and hidden must be >= 1, got {width}, {hidden}.")
     kq, kk, kv, ko, k1, k2 = jr.split(key, 6)

@@ -1,6 +1,6 @@
 """One entry point that builds any kind of control from per-layer values."""
 
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from ._params import LayerParams
 from ._smooth import Basis, BasisFamily, PiecewiseLinear, basis_functions
 
 ControlKind = Literal["piecewise_constant", "piecewise_linear", "basis", "constant"]
-CONTROL_KINDS: tuple[str, ...] = ("piecewise_constant", "piecewise_linear", "basis", "constant")
+CONTROL_KINDS: tuple[str, ...] = get_args(ControlKind)
 
 
 def _is_key(x) -> bool:

@@ -24,6 +24,7 @@ from ._rules import (
 from ._sequence import SequenceModel as SequenceModel
 from ._transformer import (
     FORMULATIONS as FORMULATIONS,
+    NORM_POSITIONS as NORM_POSITIONS,
     ContinuousTransformer as ContinuousTransformer,
     rediscretise as rediscretise,
     refine as refine,

@@ -1,6 +1,6 @@
 """A Transformer as the solution operator of the controlled equation."""
 
-from typing import Literal
+from typing import Literal, get_args
 
 import diffrax
 import equinox as eqx
@@ -36,9 +36,10 @@ from ..splitting import (
 )
 from ._rules import Choices, check, describe_stepper
 
-NormPosition = Literal["post", "pre"]
+NormPosition = Literal["pre", "post"]
+NORM_POSITIONS: tuple[str, ...] = get_args(NormPosition)
 Formulation = Literal["split", "projected", "relaxed"]
-FORMULATIONS: tuple[str, ...] = ("split", "projected", "relaxed")
+FORMULATIONS: tuple[str, ...] = get_args(Formulation)
 
 # Post-LN split terms: attention, LN 1, the averaged feed-forward step, LN 2.
 _AVERAGED_FFN, _CLOSING_NORM = 2, 3
@@ -138,8 +139,8 @@ class ContinuousTransformer(eqx.Module):
         discretisation: Discretisation | None = None,
         attention_kernel: str = "xla",
     ):
-        if norm not in ("post", "pre"):
-            raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}.")
+        if norm not in NORM_POSITIONS:
+            raise ValueError(f"norm must be one of {NORM_POSITIONS}, got {norm!r}.")
         if formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}.")
         d = _feature_width(control)

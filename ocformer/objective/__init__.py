@@ -1,6 +1,7 @@
 """The optimal-control objective: terminal cost, running costs, constraints."""
 
 from ._constraints import (
+    KERNEL_NORMS as KERNEL_NORMS,
     Constraints as Constraints,
     project_frobenius as project_frobenius,
     project_spectral as project_spectral,

@@ -1,6 +1,6 @@
 """Constraints on the controls, enforced by projection after every optimiser update."""
 
-from typing import Literal
+from typing import Literal, get_args
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from ..controls import AttentionParams, Basis, FeedForwardParams, NormParams
 from ..models._sequence import SequenceModel
 
 KernelNorm = Literal["frobenius", "spectral"]
+KERNEL_NORMS: tuple[str, ...] = get_args(KernelNorm)
 
 
 def project_frobenius(w, bound: float):
@@ -61,9 +62,9 @@ class Constraints(eqx.Module):
                 f"Constraints.sigma_floor must be a number > 0 (S1 needs sigma2 > 0) or None, "
                 f"got {self.sigma_floor!r}."
             )
-        if self.kernel_norm not in (None, "frobenius", "spectral"):
+        if self.kernel_norm is not None and self.kernel_norm not in KERNEL_NORMS:
             raise ValueError(
-                "Constraints.kernel_norm must be None, 'frobenius' or 'spectral', got "
+                f"Constraints.kernel_norm must be None or one of {KERNEL_NORMS}, got "
                 f"{self.kernel_norm!r}."
             )
         if (self.kernel_norm is None) != (self.kernel_bound is None):

@@ -6,7 +6,11 @@ from ._activations import (
     activate as activate,
     project_positive_cone as project_positive_cone,
 )
-from ._attention import Attention as Attention
+from ._attention import (
+    ATTENTION_KERNELS as ATTENTION_KERNELS,
+    Attention as Attention,
+    AttentionKernel as AttentionKernel,
+)
 from ._conv_attention import ConvAttention as ConvAttention, local_transform as local_transform
 from ._feedforward import FeedForward as FeedForward
 from ._grid import Grid as Grid, constant_in_x as constant_in_x

@@ -6,14 +6,14 @@ the resolvent of $\partial I_{S_2}$ for every step size. GELU is *not* a project
 pointwise nonlinear sub-step, and the continuous model then has no indicator term.
 """
 
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, get_args
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 Activation: TypeAlias = Literal["relu", "gelu", "gelu_tanh"]
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "gelu_tanh")
+ACTIVATIONS: tuple[str, ...] = get_args(Activation)
 
 
 def project_positive_cone(v: Float[Array, "..."]) -> Float[Array, "..."]:

@@ -1,7 +1,7 @@
 """Attention as a non-local integral operator over tokens."""
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import equinox as eqx
 import jax
@@ -18,7 +18,8 @@ _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float
 # What cuDNN's fused attention kernel takes: half-precision states, head widths a
 # multiple of 8 up to 128.
 _CUDNN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
-KERNELS = ("xla", "cudnn")
+AttentionKernel = Literal["xla", "cudnn"]
+ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 
 
 def _transform(u, w, b, h_y: float):
@@ -68,8 +69,10 @@ class Attention(eqx.Module):
             raise ValueError(
                 f"Attention.num_heads must be a positive integer, got {self.num_heads!r}."
             )
-        if self.kernel not in KERNELS:
-            raise ValueError(f"Attention.kernel must be one of {KERNELS}, got {self.kernel!r}.")
+        if self.kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"Attention.kernel must be one of {ATTENTION_KERNELS}, got {self.kernel!r}."
+            )
 
     def __call__(
         self,

@@ -13,7 +13,7 @@ from ._dataset import (
     verify_dataset as verify_dataset,
 )
 from ._digits import Digits as Digits
-from ._registry import TASKS as TASKS, make_task as make_task
+from ._registry import TASKS as TASKS, TaskSpec as TaskSpec, make_task as make_task
 from ._synthetic import CopyTask as CopyTask, SortTask as SortTask
 from ._text import PythonStdlibChar as PythonStdlibChar, ShakespeareChar as ShakespeareChar
 from ._tokens import Tokens as Tokens

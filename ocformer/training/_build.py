@@ -28,7 +28,7 @@ from ..models import (
     with_conv_projections,
 )
 from ..objective import Constraints, Objective
-from ..tasks import make_task
+from ..tasks import TASKS, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser
@@ -64,16 +64,9 @@ class Experiment:
 
 
 def _task_kwargs(config: Config) -> dict:
-    t = config.task
-    per_task = {
-        "shakespeare_char": {"seq_len": t.seq_len, "data_dir": t.data_dir, "fallback": t.fallback},
-        "stdlib_char": {"seq_len": t.seq_len},
-        "digits": {"patch_size": t.patch_size},
-        "copy": {"seq_len": t.seq_len, "vocab_size": t.vocab_size},
-        "sort": {"seq_len": t.seq_len, "vocab_size": t.vocab_size},
-        "tokens": {"path": t.path, "seq_len": t.seq_len},
-    }
-    return per_task[t.name]
+    """The ``task`` fields that the registry says task ``task.name`` is built from."""
+    fields = dataclasses.asdict(config.task)
+    return {option: fields[option] for option in TASKS[config.task.name].options}
 
 
 def build_task(config: Config):
