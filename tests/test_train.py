@@ -186,6 +186,33 @@ def test_checkpoint_with_nonfinite_values_is_never_written(tmp_path):
     assert mgr.steps() == [1] and os.listdir(tmp_path) == ["step_1"]
 
 
+def test_checkpoints_take_the_primary_process_and_barrier_of_their_run(tmp_path):
+    """Which process commits a checkpoint and how the processes wait for each other are
+    the run's (the distributed layer's, through ``RunDirectory``), not the checkpoint
+    manager's own: a secondary process writes its pieces and commits nothing, and every
+    process passes the same two barriers around a save."""
+    from ocformer.training import RunDirectory
+
+    names = {"primary": [], "secondary": []}
+    primary = CheckpointManager(str(tmp_path / "a"), primary=True, barrier=names["primary"].append)
+    secondary = CheckpointManager(
+        str(tmp_path / "b"), primary=False, barrier=names["secondary"].append
+    )
+    primary.save(4, {"w": np.ones(3)})
+    secondary.save(4, {"w": np.ones(3)})
+    assert primary.steps() == [4] and secondary.steps() == []  # no marker: not committed
+    expected = ["ocformer:checkpoint:4:cleared", "ocformer:checkpoint:4:committed"]
+    assert names["primary"] == names["secondary"] == expected
+    # The run directory hands its own primary flag and barrier to its checkpoints.
+    seen = []
+    config = resolve(SMOKE, ["train.steps=1"])
+    with RunDirectory(tmp_path / "run", barrier=seen.append) as run:
+        run.start(config, {"w": np.zeros(3)}, keep_checkpoints=2)
+        assert run.checkpoints is not None and run.checkpoints.primary
+        run.save(1, {"w": np.ones(3)}, config)
+    assert seen[-2:] == ["ocformer:checkpoint:1:cleared", "ocformer:checkpoint:1:committed"]
+
+
 @pytest.mark.slow
 def test_solver_failure_is_named_with_step_and_message(tmp_path, capsys):
     """An adaptive solve whose tolerance cannot be met in float32 runs out of steps: the

@@ -12,8 +12,10 @@ The marker records each array's SHA-256 (of its bytes, as saved from host memory
 write) raise ``ChecksumMismatch`` instead of restoring a silently different state.
 
 In a run of several processes every process calls ``save`` and ``restore``: orbax
-writes each array's pieces from the processes that hold them, process 0 alone deletes,
-commits and prunes, and all processes wait for each other around it. A checkpoint holds
+writes each array's pieces from the processes that hold them, the primary process
+alone deletes, commits and prunes, and all processes wait for each other around it
+(which process is primary, and the barrier, are the caller's: the distributed layer's,
+passed in by the run directory). A checkpoint holds
 whole arrays, not their layout, so it restores on any mesh and any number of processes.
 """
 
@@ -27,13 +29,13 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax.experimental import multihost_utils
 
 from ._atomic import atomic_write_text, remove_stale_temporaries
 
@@ -116,15 +118,6 @@ def _finite(x) -> bool:
     return not np.issubdtype(a.dtype, np.inexact) or bool(np.all(np.isfinite(a)))
 
 
-def _primary() -> bool:
-    return jax.process_index() == 0
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
 class _DrainingEventLoop(asyncio.SelectorEventLoop):
     """An event loop that lets its unfinished tasks end before it closes.
 
@@ -166,13 +159,26 @@ class CheckpointManager:
     Args:
         directory: where ``step_<n>`` directories live (created if missing).
         keep: how many committed checkpoints to keep.
+        primary: whether this process deletes, commits and prunes (in a run of several
+            processes, only one: ``ocformer.distributed.is_primary()``).
+        barrier: called with a name by every process of a run to wait for the others
+            (``ocformer.distributed.Layout.barrier``); None for a single process.
     """
 
-    def __init__(self, directory: str, keep: int = 3):
+    def __init__(
+        self,
+        directory: str,
+        keep: int = 3,
+        *,
+        primary: bool = True,
+        barrier: Callable[[str], None] | None = None,
+    ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (checkpoints to keep), got {keep}.")
         self.directory = os.path.abspath(directory)
         self.keep = keep
+        self.primary = primary
+        self._barrier = barrier or (lambda name: None)
         self._checkpointer = None
 
     def _orbax(self):
@@ -254,9 +260,9 @@ class CheckpointManager:
                     "NaN or Inf; the last finite checkpoint is kept."
                 )
         target = self.path(step)
-        if _primary():
+        if self.primary:
             self._clear(target)
-        _barrier(f"ocformer:checkpoint:{step}:cleared")
+        self._barrier(f"ocformer:checkpoint:{step}:cleared")
         payload = {f"{i:06d}": a for i, a in enumerate(arrays)}
         try:
             self._write(step, target, payload, spec, arrays, metadata)
@@ -278,13 +284,13 @@ class CheckpointManager:
                 f"{free / 2**20:.1f} MiB are free. Its partial files were removed and "
                 f"{kept}; free some space there (or use another --workdir) and resume"
             ) from None
-        _barrier(f"ocformer:checkpoint:{step}:committed")
+        self._barrier(f"ocformer:checkpoint:{step}:committed")
         return target
 
     def _remove_partial(self, target: str) -> None:
         """Delete what an interrupted save of ``target`` left: its directory and orbax's
         temporary directories next to it (``<name>.orbax-checkpoint-tmp-*``)."""
-        if not _primary() or not os.path.isdir(self.directory):
+        if not self.primary or not os.path.isdir(self.directory):
             return
         name = os.path.basename(target)
         for entry in os.listdir(self.directory):
@@ -299,7 +305,7 @@ class CheckpointManager:
         """orbax's save of ``payload`` to ``target``, then the commit marker."""
         with _quiet_when_full():
             self._orbax().save(target, payload)
-        if _primary():
+        if self.primary:
             record = {
                 "step": step,
                 "time": time.time(),

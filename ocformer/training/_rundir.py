@@ -309,7 +309,10 @@ class RunDirectory:
             )
             self._claim()
         self.checkpoints = CheckpointManager(
-            os.path.join(self.path, "checkpoints"), keep=keep_checkpoints
+            os.path.join(self.path, "checkpoints"),
+            keep=keep_checkpoints,
+            primary=self.primary,
+            barrier=self._barrier,
         )
         if self.primary:
             self.checkpoints.clean()
