@@ -213,6 +213,32 @@ def test_checkpoints_take_the_primary_process_and_barrier_of_their_run(tmp_path)
     assert seen[-2:] == ["ocformer:checkpoint:1:cleared", "ocformer:checkpoint:1:committed"]
 
 
+def test_validation_metrics_and_a_failed_solve_are_reported_in_one_way():
+    """The loop's metrics log and ``evaluate`` name validation metrics and describe a
+    failed solve with one function each: the means as ``val_*``, and diffrax's message
+    without equinox's stack and notes."""
+    import equinox as eqx
+
+    from ocformer.training import SolverFailure, validation_metrics
+
+    records = [
+        {"loss": 1.0, "task_loss": 0.5, "accuracy": 0.25},
+        {"loss": 3.0, "task_loss": 1.5, "accuracy": 0.75},
+    ]
+    assert validation_metrics(records) == {
+        "val_objective": 2.0,
+        "val_loss": 1.0,
+        "val_accuracy": 0.5,
+    }
+    message = "The maximum number of solver steps was reached."
+    failing = eqx.filter_jit(lambda x: eqx.error_if(x, x > 0, message))
+    with pytest.raises(eqx.EquinoxRuntimeError) as raised:
+        failing(jnp.asarray(1.0))
+    failure = SolverFailure.from_error(7, raised.value)
+    assert failure.step == 7 and failure.solver_message == message
+    assert str(failure).startswith(f"the ODE solve failed at training step 7: {message} Loosen")
+
+
 @pytest.mark.slow
 def test_solver_failure_is_named_with_step_and_message(tmp_path, capsys):
     """An adaptive solve whose tolerance cannot be met in float32 runs out of steps: the

@@ -16,13 +16,19 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..checkpointing import CheckpointManager
 from ..config import Config, ConfigError, apply_overrides, to_dict, validate
 from ..models import rediscretise
 from ..splitting import inner_solver
-from ..training import SolverFailure, build, build_discretisation, load_run, make_eval_step
+from ..training import (
+    SolverFailure,
+    build,
+    build_discretisation,
+    load_run,
+    make_eval_step,
+    validation_metrics,
+)
 
 # The config section that describes how the equation is discretised (nothing else may
 # change between training and evaluation).
@@ -139,12 +145,8 @@ def evaluate(config: Config, model, task=None) -> dict:
         records = [{k: float(v) for k, v in step(model, b).items()} for b in batches]
         stats = solver_stats(model, batches[0])
     except eqx.EquinoxRuntimeError as e:
-        raise SolverFailure(0, str(e).split("\n---", 1)[0].strip()) from None
-    mean = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
-    out = {"val_objective": mean.pop("loss")}
-    out.update({f"val_{k}": v for k, v in mean.items()})
-    if "val_task_loss" in out:
-        out["val_loss"] = out.pop("val_task_loss")
+        raise SolverFailure.from_error(0, e) from None
+    out = validation_metrics(records)
     out.update(stats)
     out["eval_time_s"] = time.perf_counter() - started
     return out

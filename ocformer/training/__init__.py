@@ -23,4 +23,8 @@ from ._loop import train as train
 from ._metrics import MetricsLog as MetricsLog
 from ._optimiser import make_optimiser as make_optimiser, make_schedule as make_schedule
 from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
-from ._step import make_eval_step as make_eval_step, make_train_step as make_train_step
+from ._step import (
+    make_eval_step as make_eval_step,
+    make_train_step as make_train_step,
+    validation_metrics as validation_metrics,
+)

@@ -52,6 +52,16 @@ class SolverFailure(TrainingError):
             "solver more steps (discretisation.steps_per_layer).",
         )
 
+    @classmethod
+    def from_error(cls, step: int, error: Exception) -> "SolverFailure":
+        """The failure of ``step`` from the ``equinox.EquinoxRuntimeError`` that a failed
+        solve raises: diffrax's own message, without equinox's notes after it."""
+        text = str(error)
+        marker = "EquinoxRuntimeError: "
+        if marker in text:  # the message of a runtime error re-raised by JAX
+            text = text.split(marker, 1)[1]
+        return cls(step, text.split("\n---", 1)[0].strip())
+
 
 class NonFiniteError(TrainingError):
     """NaN or Inf in ``source`` ("loss", "gradients" or "parameters") at step ``step``

@@ -49,18 +49,16 @@ from ._errors import NonFiniteError, Preempted, SolverFailure
 from ._optimiser import make_schedule, with_schedule
 from ._preempt import PreemptionGuard
 from ._rundir import RunDirectory
-from ._step import FINITE_SOURCES, enable_compile_cache, make_eval_step, make_train_step
+from ._step import (
+    FINITE_SOURCES,
+    enable_compile_cache,
+    make_eval_step,
+    make_train_step,
+    validation_metrics,
+)
 
 # Batches prepared ahead of the step that uses them.
 PREFETCH_DEPTH = 4
-
-
-def _solver_message(error: Exception) -> str:
-    text = str(error)
-    marker = "EquinoxRuntimeError: "
-    if marker in text:
-        text = text.split(marker, 1)[1]
-    return text.split("\n---", 1)[0].strip()
 
 
 class _State(eqx.Module):
@@ -212,7 +210,7 @@ class _Pending:
             try:
                 jax.block_until_ready(finite)
             except eqx.EquinoxRuntimeError as e:
-                raise SolverFailure(step, _solver_message(e)) from None
+                raise SolverFailure.from_error(step, e) from None
 
     def check(self) -> tuple[list[tuple[int, str]], dict]:
         """``(bad, metrics)``: the non-finite steps with their first non-finite source,
@@ -226,14 +224,14 @@ class _Pending:
             try:
                 flags = np.asarray(finite)
             except eqx.EquinoxRuntimeError as e:
-                raise SolverFailure(step, _solver_message(e)) from None
+                raise SolverFailure.from_error(step, e) from None
             if not flags.all():
                 bad.append((step, FINITE_SOURCES[int(np.argmin(flags))]))
         last = self.flags[-1][0] if self.flags else None
         try:
             metrics = {k: float(v) for k, v in jax.device_get(self.metrics).items()}
         except eqx.EquinoxRuntimeError as e:
-            raise SolverFailure(last or 0, _solver_message(e)) from None
+            raise SolverFailure.from_error(last or 0, e) from None
         self.flags, self.metrics = [], {}
         return bad, metrics
 
@@ -282,13 +280,8 @@ class _Evaluation:
         try:
             recs = [{k: float(v) for k, v in self.evaluate(model, b).items()} for b in self.batches]
         except eqx.EquinoxRuntimeError as e:
-            raise SolverFailure(step, _solver_message(e)) from None
-        mean = {k: float(np.mean([r[k] for r in recs])) for k in recs[0]}
-        out = {"val_objective": mean.pop("loss")}
-        out.update({f"val_{k}": v for k, v in mean.items()})
-        if "val_task_loss" in out:
-            out["val_loss"] = out.pop("val_task_loss")
-        return out
+            raise SolverFailure.from_error(step, e) from None
+        return validation_metrics(recs)
 
     def sample(self, model, key, step: int) -> str | None:
         if not (self.task.kind == "lm" and self.tc.sample_tokens):
@@ -423,7 +416,7 @@ def train(
                     try:
                         model, opt_state, metrics, finite = train_step(model, opt_state, batch)
                     except eqx.EquinoxRuntimeError as e:
-                        raise SolverFailure(step, _solver_message(e)) from None
+                        raise SolverFailure.from_error(step, e) from None
                     pending.add(step, finite, metrics)
                     profile.after(step, (model, opt_state))
                     throughput.steps += 1

@@ -13,12 +13,13 @@ compilation cache (``enable_compile_cache``) keeps compiled programs across proc
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
 
 FINITE_SOURCES: tuple[str, ...] = ("loss", "gradients", "parameters")
@@ -116,6 +117,19 @@ def make_train_step(
     if key is not None:
         _TRAIN_STEPS[key] = step
     return step
+
+
+def validation_metrics(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The evaluation step's metrics (one record per validation batch) averaged over
+    the batches and named as the metrics log and ``evaluate`` report them:
+    ``val_objective`` (the step's ``loss``: the whole objective), ``val_loss`` (the
+    task loss) and ``val_<name>`` for the task's other metrics (``val_accuracy``)."""
+    mean = {k: float(np.mean([r[k] for r in records])) for k in records[0]}
+    out = {"val_objective": mean.pop("loss")}
+    out.update({f"val_{k}": v for k, v in mean.items()})
+    if "val_task_loss" in out:
+        out["val_loss"] = out.pop("val_task_loss")
+    return out
 
 
 _EVAL_STEPS: dict = {}
