@@ -1,6 +1,6 @@
 """Command line of sweeps.
 
-``python -m ocformer.sweep FILE[:arg] --workdir DIR [--launcher local|slurm]
+``python -m ocformer.sweep FILE[:arg] --workdir DIR [--launcher local|slurm [--wait]]
 [--parallel N] [--seeds K] [--only field=value ...] [--dry-run]`` runs a sweep file
 (``experiments/sweeps/<name>.py``); ``python -m ocformer.sweep report DIR`` rebuilds
 ``results.csv``, ``results.md`` and ``plots/`` without running anything. Running the
@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus", type=int, default=None, help="GPUs per node")
     g.add_argument("--nodes", type=int, default=None, help="nodes per task")
     g.add_argument("--array-parallelism", type=int, default=None, help="tasks running at once")
+    g.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the job array to finish and report (default: return once submitted; "
+        "python -m ocformer.sweep report DIR reports later)",
+    )
     return p
 
 
@@ -93,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             only=args.only,
             dry_run=args.dry_run,
             slurm=slurm,
+            wait=args.wait,
             argv=[sys.executable, "-m", "ocformer.sweep", *args_list],
             runtime_checks=args.runtime_checks,
         )

@@ -4,6 +4,7 @@ writes one row per point and seed, reruns run nothing, failures are recorded and
 sweep goes on, results aggregate over seeds, SLURM job arrays."""
 
 import csv
+import glob
 import io
 import json
 import math
@@ -25,7 +26,6 @@ from ocformer.sweeping import (
     plan,
     report,
     resolve_points,
-    run_sweep,
     slurm_options,
 )
 from ocformer.sweeping._results import METRICS, plot
@@ -337,7 +337,7 @@ def test_report_aggregates_over_seeds(tmp_path):
                 }
             )
     info = {
-        "name": "fake",
+        "id": "fake",
         "command": "c",
         "train_fields": ["model.num_layers", "train.seed"],
         "eval_fields": [],
@@ -387,7 +387,7 @@ def test_report_reads_a_metrics_file_cut_by_a_kill(tmp_path):
         "config": {},
     }
     info = {
-        "name": "killed",
+        "id": "killed",
         "command": "c",
         "train_fields": ["model.num_layers"],
         "eval_fields": [],
@@ -451,7 +451,7 @@ def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path, monkey
         g["nfe"] = (float(steps * stages[solver]), 0.0, 1)
         groups.append(g)
     info = {
-        "name": "solvers",
+        "id": "solvers",
         "train_fields": ["discretisation.stepper", "discretisation.steps_per_layer"],
         "eval_fields": [],
         "seed_field": "train.seed",
@@ -496,7 +496,7 @@ def test_plots_put_a_categorical_axis_on_x_when_no_axis_is_numeric(tmp_path, mon
         g.update({"discretisation.stepper": solver, "final_val_loss": (loss, 0.0, 1)})
         groups.append(g)
     info = {
-        "name": "solvers",
+        "id": "solvers",
         "train_fields": ["discretisation.stepper"],
         "eval_fields": [],
         "seed_field": "train.seed",
@@ -688,10 +688,16 @@ def test_slurm_dry_run_prints_the_job_array_script(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache):
-    """The job-array path with real subprocesses: submitit's local executor runs each
-    array task as SLURM would (the pickled PointJob)."""
+def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache, monkeypatch, capsys):
+    """The job-array path with real subprocesses, through the command line with
+    ``--wait``: on a machine that looks like a SLURM login node, the job is submitted to
+    submitit's local executor, which runs each array task as SLURM would (the pickled
+    PointJob); the sweep waits for it and reports."""
+    import shutil
+
     import submitit
+
+    from ocformer.distributed import SlurmJob
 
     path = write_sweep(
         tmp_path,
@@ -706,13 +712,22 @@ def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache):
         """,
     )
     out = tmp_path / "out"
-    executor = submitit.LocalExecutor(folder=str(tmp_path / "submitit"))
-    executor.update_parameters(timeout_min=20)
-    stream = io.StringIO()
-    code = run_sweep(path, str(out), launcher="slurm", executor=executor, wait=True, stream=stream)
-    assert code == 0 and "submitted 1 array tasks" in stream.getvalue()
+    which = shutil.which
+    monkeypatch.setattr(
+        shutil, "which", lambda cmd, *a, **k: "/sbatch" if cmd == "sbatch" else which(cmd, *a, **k)
+    )
+
+    def local_executor(job: SlurmJob) -> submitit.LocalExecutor:
+        executor = submitit.LocalExecutor(folder=job.folder)
+        executor.update_parameters(timeout_min=20)
+        return executor
+
+    monkeypatch.setattr(SlurmJob, "executor", local_executor)
+    code = sweep_main([path, "--workdir", str(out), "--launcher", "slurm", "--wait"])
+    assert code == 0 and "submitted 1 array tasks" in capsys.readouterr().out
     [row] = read_csv(out / "results.csv")
     assert row["status"] == "done" and row["step"] == "2" and int(row["solver_steps"]) == 1
+    assert glob.glob(str(out / "slurm" / "*"))  # submitit's files where SLURM's would go
 
 
 @pytest.mark.parametrize("handler", ["on the waiting thread", "on another thread"])

@@ -103,7 +103,6 @@ def sweep_info(
     eval_fields = [f for a in sweep.evaluate for f in a.fields]
     return {
         "id": sweep_id(sweep_path, arg),
-        "name": sweep_id(sweep_path, arg),
         "sweep_file": sweep_path,
         "arg": arg,
         "experiment": spec,
@@ -175,10 +174,8 @@ def run_sweep(
     only: Sequence[str] = (),
     dry_run: bool = False,
     slurm: Mapping[str, Any] | None = None,
-    executor=None,
     wait: bool = False,
     argv: Sequence[str] = (),
-    stream=None,
     runtime_checks: bool = False,
 ) -> int:
     """Run a sweep; returns the exit code (0 all done, 1 some failed).
@@ -190,10 +187,9 @@ def run_sweep(
         seeds, only: see ``resolve_points``.
         dry_run: print what would run (and the SLURM job script) and write nothing.
         slurm: SLURM options given as flags (over the sweep file's).
-        executor: a submitit executor to use instead of SLURM's (tests use submitit's
-            local executor).
-        wait: with SLURM, wait for the array to finish and report (default: return
-            once submitted; ``python -m ocformer.sweep report DIR`` reports later).
+        wait: with SLURM, wait for the array to finish and report (``--wait``; default:
+            return once submitted; ``python -m ocformer.sweep report DIR`` reports
+            later).
         argv: the command line, recorded in ``sweep.json``.
         runtime_checks: keep equinox's runtime error checks in the compiled steps.
             They are host callbacks, which JAX's persistent cache never stores, so by
@@ -204,12 +200,11 @@ def run_sweep(
     Raises:
         SweepError: an invalid sweep, point, field or work directory (nothing ran).
     """
-    stream = sys.stdout if stream is None else stream
     if parallel < 1:
         raise SweepError("--parallel", f"must be >= 1 (local worker processes), got {parallel}")
     if launcher not in ("local", "slurm"):
         raise SweepError("--launcher", f"expected local or slurm, got {launcher!r}")
-    if launcher == "slurm" and executor is None and not dry_run:
+    if launcher == "slurm" and not dry_run:
         require_slurm()  # before the points are built
     workdir = os.path.abspath(workdir)
     sweep, info, todo = plan(spec, workdir=workdir, seeds=seeds, only=only, argv=argv)
@@ -219,41 +214,38 @@ def run_sweep(
         print(
             f"sweep {info['id']}: {len(info['points'])} points, {len(todo)} selected, "
             f"{len(pending)} to run (dry run: nothing runs or is written)",
-            file=stream,
         )
         for p in todo:
             state = "to run" if p in pending else "finished"
             extra = f" + {len(p['evaluations'])} evaluations" if p["evaluations"] else ""
-            print(f"  {p['name']}{extra}: {state}", file=stream)
+            print(f"  {p['name']}{extra}: {state}")
         if launcher == "slurm":
             options = slurm_options(sweep.slurm, slurm or {})
-            print("--- job script (one array task per point) ---", file=stream)
-            print(job_script(workdir, max(len(pending), 1), options), file=stream)
+            print("--- job script (one array task per point) ---")
+            print(job_script(workdir, max(len(pending), 1), options))
         return 0
-    if launcher == "slurm" and executor is None and pending:
+    executor = None
+    if launcher == "slurm" and pending:
         executor = executor_for(workdir, slurm_options(sweep.slurm, slurm or {}))
     os.makedirs(workdir, exist_ok=True)
     with _locked(workdir):
         # Checked again under the lock: another sweep may have written it since plan().
         check_workdir(workdir, info["id"])
         atomic_write_text(os.path.join(workdir, _SWEEP_FILE), json.dumps(info, indent=2) + "\n")
-        return _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel, stream)
+        return _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel)
 
 
-def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel, stream) -> int:
+def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel) -> int:
     """Run (or submit) the points of a locked sweep directory and report."""
     if launcher == "slurm":
         if not pending:
-            print(
-                f"sweep: all {len(todo)} selected points finished; nothing to submit", file=stream
-            )
+            print(f"sweep: all {len(todo)} selected points finished; nothing to submit")
             report(workdir)
             return 0
         jobs = submit(workdir, pending, executor)
         print(
             f"sweep: submitted {len(jobs)} array tasks (job {jobs[0].job_id.split('_')[0]}); "
             f"when they finish: python -m ocformer.sweep report {workdir}",
-            file=stream,
         )
         if not wait:
             return 0
@@ -264,7 +256,6 @@ def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel
     result = report(workdir)
     print(
         f"sweep: results in {os.path.join(workdir, 'results.csv')} ({len(result['rows'])} rows)",
-        file=stream,
     )
     failures = _failures(workdir, info)
     if failures:

@@ -270,7 +270,7 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
     written = []
 
     def save(fig, ax, title: str, file: str) -> None:
-        ax.set_title(f"{info['name']}: {title}", fontsize=10)
+        ax.set_title(f"{info['id']}: {title}", fontsize=10)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         ax.grid(True, alpha=0.3)
@@ -378,7 +378,7 @@ def report(sweep_dir: str, make_plots: bool = True) -> dict:
     write_csv(os.path.join(sweep_dir, "results.csv"), table, columns(info))
     groups = aggregate(table, info)
     text = (
-        f"# {info['name']}\n\n`{info['command']}`\n\n"
+        f"# {info['id']}\n\n`{info['command']}`\n\n"
         "Mean +- std over seeds (n: finished runs).\n\n" + markdown(groups, info)
     )
     atomic_write_text(os.path.join(sweep_dir, "results.md"), text)
