@@ -99,7 +99,7 @@ def _registries() -> dict:
     from ocformer.objective import KERNEL_NORMS, PRECISIONS
     from ocformer.operators import ACTIVATIONS, ATTENTION_KERNELS
     from ocformer.splitting import SCHEMES, SOLVERS
-    from ocformer.tasks import TASKS
+    from ocformer.tasks import FALLBACKS, TASKS
 
     return {
         "model.norm": NORM_POSITIONS,
@@ -115,6 +115,7 @@ def _registries() -> dict:
         "discretisation.gradient": tuple(GRADIENT_METHODS),
         "objective.kernel_norm": (None, *KERNEL_NORMS),
         "task.name": tuple(TASKS),
+        "task.fallback": (None, *FALLBACKS),
     }
 
 

@@ -21,7 +21,7 @@ from ..models import FORMULATIONS, NORM_POSITIONS
 from ..objective import KERNEL_NORMS, PRECISIONS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
 from ..splitting import SCHEMES, SOLVERS
-from ..tasks import TASKS
+from ..tasks import FALLBACKS, TASKS
 
 
 def _field(
@@ -191,7 +191,7 @@ class TaskConfig:
     patch_size: int = _field(4, "patch size of the image task", ge=1)
     data_dir: str | None = _field(None, "directory holding the prepared corpus (default .data)")
     fallback: str | None = _field(
-        None, "corpus used if Shakespeare is missing", choices=(None, "stdlib")
+        None, "corpus used if Shakespeare is missing", choices=(None, *FALLBACKS)
     )
     path: str | None = _field(
         None,

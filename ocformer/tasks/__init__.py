@@ -15,5 +15,9 @@ from ._dataset import (
 from ._digits import Digits as Digits
 from ._registry import TASKS as TASKS, TaskSpec as TaskSpec, make_task as make_task
 from ._synthetic import CopyTask as CopyTask, SortTask as SortTask
-from ._text import PythonStdlibChar as PythonStdlibChar, ShakespeareChar as ShakespeareChar
+from ._text import (
+    FALLBACKS as FALLBACKS,
+    PythonStdlibChar as PythonStdlibChar,
+    ShakespeareChar as ShakespeareChar,
+)
 from ._tokens import Tokens as Tokens

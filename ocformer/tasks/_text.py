@@ -2,7 +2,7 @@
 
 import functools
 import pathlib
-from typing import ClassVar, Literal, final
+from typing import ClassVar, Literal, final, get_args
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from ._corpus import (
 )
 
 VALIDATION_FRACTION = 0.1
+# The corpora Shakespeare's task may fall back to when its file is missing.
+Fallback = Literal["stdlib"]
+FALLBACKS: tuple[str, ...] = get_args(Fallback)
 
 
 @final
@@ -173,10 +176,10 @@ class ShakespeareChar(AbstractCharTask):
         self,
         seq_len: int,
         data_dir: str | pathlib.Path | None = None,
-        fallback: Literal["stdlib"] | None = None,
+        fallback: Fallback | None = None,
     ):
-        if fallback not in (None, "stdlib"):
-            raise ValueError(f"fallback must be None or 'stdlib', got {fallback!r}.")
+        if fallback is not None and fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be None or one of {FALLBACKS}, got {fallback!r}.")
         self.seq_len = _check_seq_len(seq_len)
         root = default_data_dir() if data_dir is None else pathlib.Path(data_dir)
         path = (root / SHAKESPEARE_FILE).resolve()
