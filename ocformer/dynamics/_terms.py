@@ -10,7 +10,7 @@ step size.
 """
 
 import abc
-from typing import Literal
+from typing import Literal, get_args
 
 import diffrax
 import equinox as eqx
@@ -22,7 +22,7 @@ from ..operators import Attention, FeedForward, LayerNormProjection
 from ._args import DynamicsArgs
 
 SubSolver = Literal["euler", "midpoint", "heun"]
-SUB_SOLVERS: tuple[str, ...] = ("euler", "midpoint", "heun")
+SUB_SOLVERS: tuple[str, ...] = get_args(SubSolver)
 SUB_SOLVER_ORDER: dict[str, int] = {"euler": 1, "midpoint": 2, "heun": 2}
 NormSlot = Literal["norm1", "norm2"]
 

@@ -1,7 +1,7 @@
 """The discretisation of the controlled equation, as one value."""
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 import diffrax
 import equinox as eqx
@@ -11,7 +11,7 @@ from ._gradients import AbstractGradientMethod, DiscretiseThenOptimise
 from ._grid import check_steps_per_layer
 
 StepSize = Literal["constant", "pid"]
-STEPSIZES: tuple[str, ...] = ("constant", "pid")
+STEPSIZES: tuple[str, ...] = get_args(StepSize)
 
 
 class Discretisation(eqx.Module):
