@@ -18,6 +18,7 @@ from ocformer.config import (
     ConfigError,
     apply_overrides,
     from_dict,
+    is_set,
     load_experiment,
     parse_override,
     resolve,
@@ -362,3 +363,44 @@ def test_sampling_a_task_without_text_is_a_usage_error(tmp_path, capsys):
     ]
     assert cli.main(argv) == 2
     assert "train.sample_tokens" in capsys.readouterr().err
+
+
+_SETS = """
+import dataclasses
+from ocformer.config import Config, ControlsConfig, ModelConfig
+
+
+def get_config(arg=None):
+    model = ModelConfig(4, width=32)  # num_layers by position; width at its default
+    if arg == "replace":
+        model = dataclasses.replace(model, hidden=64)  # every field passed: a copy
+    return Config(model=model, controls=ControlsConfig(kind="piecewise_constant"))
+"""
+
+
+def _set_names(section) -> list[str]:
+    return [f.name for f in dataclasses.fields(section) if is_set(section, f.name)]
+
+
+def test_fields_set_explicitly_are_recorded_at_the_config_edge(tmp_path):
+    """The experiment file's constructor arguments and ``--set`` count as set, default
+    values included; the record changes neither the value nor ``config.json``."""
+    path = tmp_path / "sets.py"
+    path.write_text(_SETS)
+    c = load_experiment(str(path))
+    assert _set_names(c.model) == ["num_layers", "width"]
+    assert _set_names(c.controls) == ["kind"]
+    c = apply_overrides(c, ["model.hidden=64", "model.norm=pre"])
+    assert _set_names(c.model) == ["num_layers", "width", "hidden", "norm"]
+    assert c == Config(model=dataclasses.replace(Config().model, num_layers=4))
+    assert to_dict(c) == json.loads(json.dumps(to_dict(c)))  # no record in the data
+    # Without a record (built outside an experiment file, a dataclasses.replace copy,
+    # a stored configuration) a field counts as set when it differs from its default.
+    assert _set_names(Config().model) == []
+    assert _set_names(from_dict(to_dict(c)).model) == ["num_layers"]
+    copy = load_experiment(f"{path}:replace")
+    assert _set_names(copy.model) == ["num_layers"]
+    assert _set_names(apply_overrides(copy, ["model.width=32"]).model) == [
+        "num_layers",
+        "width",
+    ]

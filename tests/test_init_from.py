@@ -20,9 +20,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ocformer import export as export_cli, train as train_cli
-from ocformer.config import resolve
+from ocformer.config import is_set, resolve
 from ocformer.evaluation import evaluate
 from ocformer.training import build, load_run
+from ocformer.training._init_from import architecture
 
 VOCAB, POSITIONS = 16, 16
 QUIET = ["train.progress=false"]
@@ -120,6 +121,15 @@ def test_start_reproduces_the_checkpoint_loss(experiment, gpt2):
         (["model.init_from={llama}"], ["model.init_from", "model_type='llama'"]),
         (["model.init_from={gpt2}@3"], ["model.init_from", "drop the '@3'"]),
         (["model.init_from={gpt2}", "model.width=24"], ["model.width", "24", "8"]),
+        # Set explicitly to the schema's default (width 32, hidden 64): still a conflict.
+        (
+            ["model.init_from={gpt2}", "model.width=32"],
+            ["model.width: is 32", "whose model.width is 8"],
+        ),
+        (
+            ["model.init_from={gpt2}", "model.hidden=64"],
+            ["model.hidden: is 64", "whose model.hidden is 32"],
+        ),
         (["model.init_from={gpt2}", "model.norm=post"], ["model.norm", "'post'", "'pre'"]),
         (["model.init_from={gpt2}", "task.seq_len=32"], ["task.seq_len", "16 positions"]),
         (["model.init_from={gpt2}", "task.vocab_size=20"], ["task (copy)", "< 16"]),
@@ -141,6 +151,46 @@ def test_bad_start_is_refused_before_anything_is_written(
     for word in words:
         assert word in err, err
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_field_set_in_the_experiment_file_to_its_default_is_checked(
+    experiment, gpt2, tmp_path, capsys
+):
+    """``ModelConfig(width=32)`` in the experiment file is a width set explicitly, even
+    though 32 is the default: the width-8 checkpoint refuses it (exit 2, nothing
+    written)."""
+    path = tmp_path / "width32.py"
+    model = 'ModelConfig(dtype=arg or "float32")'
+    path.write_text(EXPERIMENT.replace(model, model[:-1] + ", width=32)"))
+    assert "width=32" in path.read_text()
+    argv = ["--config", str(path), "--workdir", str(tmp_path / "run")]
+    code = train_cli.main([*argv, "--set", f"model.init_from={gpt2[0]}", "--set", QUIET[0]])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "model.width: is 32" in err and "whose model.width is 8" in err, err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_explicit_matching_fields_are_accepted_and_unset_ones_come_from_the_checkpoint(
+    experiment, gpt2
+):
+    """Fields set to the checkpoint's values are accepted, including ones equal to the
+    schema's default too (2 layers, pre-norm); an unset field (hidden, default 64)
+    takes the checkpoint's value (32)."""
+    c = config(
+        experiment,
+        f"model.init_from={gpt2[0]}",
+        "model.width=8",
+        "model.num_layers=2",
+        "model.norm=pre",
+        "controls.norm_affine=feature",
+    )
+    assert is_set(c.model, "width") and is_set(c.model, "num_layers")
+    assert is_set(c.controls, "norm_affine") and not is_set(c.model, "hidden")
+    assert c.model.hidden == 64  # the schema's default, left unset
+    arch = architecture(build(c).model)
+    assert arch[("model", "width")] == 8 and arch[("model", "num_layers")] == 2
+    assert arch[("model", "hidden")] == 32  # the checkpoint's 4 x 8
 
 
 def _train(experiment, workdir, *sets) -> None:

@@ -1,5 +1,6 @@
 """Configuration: one typed, frozen schema, validated before anything is traced."""
 
+from ._explicit import is_set as is_set
 from ._load import (
     apply_overrides as apply_overrides,
     load_experiment as load_experiment,

@@ -6,7 +6,8 @@ not know (raising ``ValueError`` that names the allowed ones). A file that canno
 imported, or a ``get_config`` that raises, is reported as a ``ConfigError`` naming the
 file and line, never as a traceback. ``--set section.field=value`` parses ``value``
 by the field's declared type, so ``--set train.steps=1e3`` is refused rather than
-silently truncated.
+silently truncated. Both record which fields they set explicitly (``_explicit``), so
+that a field set to its default value is told apart from one left unset.
 """
 
 import dataclasses
@@ -17,6 +18,7 @@ import types
 import typing
 from typing import Any
 
+from ._explicit import recording, with_field
 from ._schema import Config
 from ._validate import ConfigError, check_keys, field_types, section_class, validate
 
@@ -95,7 +97,7 @@ def apply_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> C
     for text in overrides:
         key, value = parse_override(text)
         section, name = key.split(".")
-        updated = dataclasses.replace(getattr(config, section), **{name: value})
+        updated = with_field(getattr(config, section), name, value)
         config = dataclasses.replace(config, **{section: updated})
     return config
 
@@ -137,7 +139,8 @@ def load_experiment(spec: str) -> Config:
     if not callable(get_config):
         raise ConfigError("--config", f"{path} defines no get_config(arg: str | None) -> Config")
     try:
-        config = get_config(arg)
+        with recording():  # the fields its sections are given count as set
+            config = get_config(arg)
     except Exception as e:
         raise ConfigError(
             "--config", f"{spec}: get_config({arg!r}) raised {_what(e)} (at {_where(e, path)})"

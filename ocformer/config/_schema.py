@@ -22,6 +22,7 @@ from ..objective import KERNEL_NORMS, PRECISIONS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
 from ..splitting import SCHEMES, SOLVERS
 from ..tasks import FALLBACKS, TASKS
+from ._explicit import records_set_fields
 
 
 def _field(
@@ -38,6 +39,7 @@ def _field(
     return field(default=default, metadata=meta)
 
 
+@records_set_fields  # the fields a checkpoint fixes: see model.init_from
 @dataclass(frozen=True)
 class ModelConfig:
     """The continuous Transformer: width, depth (the time horizon T) and its operators."""
@@ -127,6 +129,7 @@ class DiscretisationConfig:
     )
 
 
+@records_set_fields  # the fields a checkpoint fixes: see model.init_from
 @dataclass(frozen=True)
 class ControlsConfig:
     """theta(t): how the controls depend on time and how they are initialised."""

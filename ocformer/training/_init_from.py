@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..config import Config, ConfigError, ControlsConfig, ModelConfig
+from ..config import Config, ConfigError, is_set
 from ..convert import from_pretrained
 from ..convert._pretrained import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
 from ..models import (
@@ -36,7 +36,6 @@ from ..operators import ConvAttention
 from ._rundir import RUN_MARKER
 
 FIELD = "model.init_from"
-_DEFAULTS = {"model": ModelConfig(), "controls": ControlsConfig()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,18 +115,19 @@ def architecture(model: SequenceModel) -> dict[tuple[str, str], Any]:
 
 
 def check_architecture(config: Config, source: Source, fixed: dict) -> None:
-    """Refuse a field set to a value other than the source's.
+    """Refuse a field set explicitly to a value other than the source's.
 
-    A field left at its default takes the source's value; a field set to anything else
+    A field left unset takes the source's value; a field set explicitly (by ``--set``
+    or in the experiment file, even to its default value: ``ocformer.config.is_set``)
     must agree with the source.
 
     Raises:
         ConfigError: naming the first conflicting field and both values.
     """
     for (section, name), value in fixed.items():
-        ours = getattr(getattr(config, section), name)
-        default = getattr(_DEFAULTS[section], name)
-        if ours != default and ours != value:
+        part = getattr(config, section)
+        ours = getattr(part, name)
+        if is_set(part, name) and ours != value:
             raise ConfigError(
                 f"{section}.{name}",
                 f"is {ours!r}, but the run starts from {source.path} (model.init_from), "
