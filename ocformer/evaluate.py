@@ -14,6 +14,10 @@ import argparse
 import json
 import sys
 
+from ._cli import fail
+
+_PROGRAM = "ocformer.evaluate"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -37,18 +41,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(code: int, message: str) -> int:
-    print(f"ocformer.evaluate: error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     from .checkpointing import output_problem
 
     if args.json is not None and (problem := output_problem(args.json, "--json")):
-        return _fail(2, problem)  # ExitCode.USAGE, before anything is evaluated
+        return fail(_PROGRAM, 2, problem)  # ExitCode.USAGE, before anything is evaluated
     from .checkpointing import CheckpointError, atomic_write_text
     from .config import ConfigError
     from .evaluation import evaluate_run
@@ -57,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate_run(args.workdir, args.overrides, args.step)
     except (ConfigError, CheckpointError, WorkdirError, FileNotFoundError) as e:
-        return _fail(ExitCode.USAGE, str(e))
+        return fail(_PROGRAM, ExitCode.USAGE, str(e))
     except TrainingError as e:
-        return _fail(e.exit_code, f"{type(e).__name__}: {e}")
+        return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
     text = json.dumps(result, indent=2)
     if args.json:
         atomic_write_text(args.json, text + "\n")

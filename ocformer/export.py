@@ -18,11 +18,13 @@ import json
 import os
 import sys
 
+from ._cli import fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import to_pretrained
 from .training import ExitCode, WorkdirError, load_run
 
+_PROGRAM = "ocformer.export"
 TOKENIZER_FILE = "tokenizer.json"
 # The fields that make a run the standard layer stack (the values to_layers reads).
 _STANDARD = (
@@ -99,11 +101,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(code: int, message: str) -> int:
-    print(f"ocformer.export: error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
 def _enable_x64_if_needed(workdir: str) -> None:
     # A float64 run's arrays are restored as float64 only under 64-bit JAX.
     try:
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = export(args.workdir, args.to, args.step)
     except (ConfigError, WorkdirError, CheckpointError, FileExistsError) as e:
-        return _fail(ExitCode.USAGE, str(e))
+        return fail(_PROGRAM, ExitCode.USAGE, str(e))
     print(f"ocformer.export: wrote {path}", flush=True)
     return ExitCode.OK
 

@@ -13,6 +13,7 @@ import argparse
 import shlex
 import sys
 
+from ._cli import fail
 from .distributed import (
     GRACE_S,
     LaunchError,
@@ -22,10 +23,7 @@ from .distributed import (
     training_job,
 )
 
-
-def _fail(code: int, message: str) -> int:
-    print(f"ocformer.launch: error: {message}", file=sys.stderr, flush=True)
-    return code
+_PROGRAM = "ocformer.launch"
 
 
 def _slurm(args, train_args: list[str]) -> int:
@@ -86,18 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as e:
             return int(e.code or 0)
     if "--" not in argv:
-        return _fail(2, "give the training arguments after --, e.g. -- --config "
-                     "experiments/smoke.py --workdir runs/smoke")  # fmt: skip
+        example = "-- --config experiments/smoke.py --workdir runs/smoke"
+        return fail(_PROGRAM, 2, f"give the training arguments after --, e.g. {example}")
     cut = argv.index("--")
     args, train_args = _parser().parse_args(argv[:cut]), argv[cut + 1 :]
     if not train_args:
-        return _fail(2, "no training arguments after --")
+        return fail(_PROGRAM, 2, "no training arguments after --")
     try:
         if args.where == "local":
             return launch_local(args.nproc, train_args, port=args.port, grace_s=args.grace)
         return _slurm(args, train_args)
     except LaunchError as e:
-        return _fail(2, str(e))
+        return fail(_PROGRAM, 2, str(e))
 
 
 if __name__ == "__main__":

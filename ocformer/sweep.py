@@ -16,6 +16,10 @@ import argparse
 import os
 import sys
 
+from ._cli import fail
+
+_PROGRAM = "ocformer.sweep"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -62,11 +66,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(code: int, message: str) -> int:
-    print(f"ocformer.sweep: error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
@@ -74,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args_list[:1] == ["report"]:
         if len(args_list) != 2:
-            return _fail(2, "usage: python -m ocformer.sweep report DIR")
+            return fail(_PROGRAM, 2, "usage: python -m ocformer.sweep report DIR")
         if not os.path.isfile(os.path.join(args_list[1], "sweep.json")):
-            return _fail(2, f"{args_list[1]} is not a sweep directory (no sweep.json)")
+            return fail(_PROGRAM, 2, f"{args_list[1]} is not a sweep directory (no sweep.json)")
         result = report(args_list[1])
         print(f"sweep: {len(result['rows'])} rows, {len(result['plots'])} plots in {args_list[1]}")
         return 0
@@ -104,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             runtime_checks=args.runtime_checks,
         )
     except SweepError as e:
-        return _fail(2, str(e))
+        return fail(_PROGRAM, 2, str(e))
     except SweepInterrupted as e:
-        return _fail(e.exit_code, str(e))
+        return fail(_PROGRAM, e.exit_code, str(e))
     except KeyboardInterrupt:
-        return _fail(130, "interrupted; rerun the same command to resume")
+        return fail(_PROGRAM, 130, "interrupted; rerun the same command to resume")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,10 @@ import os
 import sys
 import types
 
+from ._cli import fail
 from .training import train as _train
+
+_PROGRAM = "ocformer.train"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,11 +66,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fail(code: int, message: str) -> int:
-    print(f"ocformer.train: error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
@@ -79,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # Validated once, by train(), before anything is built or written.
         config = apply_overrides(load_experiment(args.config), args.overrides)
     except ConfigError as e:
-        return _fail(ExitCode.USAGE, str(e))
+        return fail(_PROGRAM, ExitCode.USAGE, str(e))
     if config.model.dtype == "float64":
         import jax
 
@@ -95,18 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         initialize(args.coordinator, args.num_processes, args.process_id)
     except DistributedError as e:
-        return _fail(ExitCode.USAGE, str(e))
+        return fail(_PROGRAM, ExitCode.USAGE, str(e))
     command = [sys.executable, "-m", "ocformer.train", *(sys.argv[1:] if argv is None else argv)]
     try:
         train(config, args.workdir, argv=command, allow_config_change=args.allow_config_change)
     except (ConfigError, WorkdirError, CheckpointError) as e:
-        return _fail(ExitCode.USAGE, str(e))
+        return fail(_PROGRAM, ExitCode.USAGE, str(e))
     except FileNotFoundError as e:  # ocformer.tasks.DataNotFoundError and its kin
-        return _fail(ExitCode.USAGE, str(e))
+        return fail(_PROGRAM, ExitCode.USAGE, str(e))
     except TrainingError as e:
-        return _fail(e.exit_code, f"{type(e).__name__}: {e}")
+        return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
     except KeyboardInterrupt:
-        return _fail(130, "interrupted")
+        return fail(_PROGRAM, 130, "interrupted")
     return ExitCode.OK
 
 

