@@ -1,10 +1,23 @@
-"""The optimal-control objective: terminal cost, running costs, constraints."""
+"""The optimal-control objective: terminal cost, running costs, constraints, and training
+by the maximum principle (E-MSA)."""
 
 from ._constraints import (
     KERNEL_NORMS as KERNEL_NORMS,
     Constraints as Constraints,
     project_frobenius as project_frobenius,
     project_spectral as project_spectral,
+)
+from ._msa import (
+    MSA as MSA,
+    TRAINING_METHODS as TRAINING_METHODS,
+    MSAState as MSAState,
+    Sweep as Sweep,
+    augmented_hamiltonian as augmented_hamiltonian,
+    check_msa as check_msa,
+    maximise_hamiltonians as maximise_hamiltonians,
+    msa_iteration as msa_iteration,
+    msa_refusals as msa_refusals,
+    sweep as sweep,
 )
 from ._objective import (
     PRECISIONS as PRECISIONS,

@@ -105,6 +105,12 @@ class Constraints(eqx.Module):
             )
         return node
 
+    def project_layer(self, params):
+        """The controls of one layer (a ``LayerParams``, or any tree of them) projected
+        onto the admissible set, as ``project`` does for every layer of a model."""
+        is_params = lambda x: isinstance(x, (NormParams, AttentionParams, FeedForwardParams))  # noqa: E731
+        return jtu.tree_map(self._project, params, is_leaf=is_params)
+
     def project(self, model: SequenceModel) -> SequenceModel:
         """The model with its transformer's controls projected onto the admissible set.
 
