@@ -15,6 +15,7 @@ import pytest
 from ocformer import train as cli
 from ocformer.checkpointing import CheckpointManager
 from ocformer.config import ConfigError, apply_overrides, load_experiment, resolve, validate
+from ocformer.models import rediscretise
 from ocformer.objective import MixedPrecision, cross_entropy, in_precision
 from ocformer.operators import Attention, Grid, LayerNormProjection, normalise
 from ocformer.training import _loop, build, load_run
@@ -143,6 +144,31 @@ def test_bfloat16_solve_computes_its_products_in_bfloat16(overrides):
     leaves = jax.tree.leaves(eqx.filter(g, eqx.is_inexact_array))
     assert {x.dtype for x in leaves} == {F32}
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in leaves) and np.isfinite(float(value))
+
+
+def test_bfloat16_solve_keeps_a_float32_state_under_refinement(exp):
+    """The state the solver carries (the residual stream) stays float32 while the fields
+    compute in bfloat16, so refining the grid does not drown the steps' increments:
+    at 64 steps per layer u(T) from a bfloat16 input agrees with the float32 solve of
+    the same (bfloat16) input and controls to 0.5% (measured 0.17%, as at one step per
+    layer: 0.36%). A state rounded to bfloat16 after every step was measured at 14%
+    (dt f = f / 64 is below half an ulp of u for most entries)."""
+    transformer = rediscretise(
+        in_precision(exp.model, jnp.bfloat16).transformer, steps_per_layer=64
+    )
+    u0 = in_precision(exp.model, jnp.bfloat16).initial_state(_batch(exp)["inputs"])
+
+    @eqx.filter_jit
+    def final(t, u):
+        ys = t.solve(u).ys
+        assert ys is not None
+        return ys[-1]
+
+    got = final(transformer, u0)
+    assert got.dtype == BF16
+    want = np.asarray(final(in_precision(transformer, jnp.float32), u0.astype(jnp.float32)))
+    err = np.linalg.norm(np.asarray(got, np.float32) - want) / np.linalg.norm(want)
+    assert 1e-4 < err < 5e-3, err
 
 
 def test_bfloat16_layer_norm_is_the_float32_one_rounded(rng):
