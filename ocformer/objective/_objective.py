@@ -69,8 +69,11 @@ class MixedPrecision(eqx.Module):
     ``compute`` at the start of the loss, so that the forward solve, attention and
     feed-forward products run in it, while the gradients flow back through the cast to
     the masters: parameters, gradients, optimiser state and checkpoints keep the
-    masters' dtype. What half precision would spoil stays in float32 (as flax does):
-    layer-norm means and variances (``ocformer.operators.normalise``), the attention
+    masters' dtype. Inside the solve the state (the residual stream) is carried in the
+    dtype of time, at least float32, and the terms compute their fields in ``compute``
+    (``ocformer.integration.solve``): a bfloat16 state would drown the increments
+    ``dt * f`` of a refined grid. What half precision would spoil stays in float32 (as
+    flax does): layer-norm means and variances (``ocformer.operators.normalise``), the attention
     softmax, the cross-entropy and its log-softmax (``cross_entropy``), and times (the
     time grid and the controls' layer index, ``ocformer.integration.time_dtype``). The
     loss and the metrics are returned in float32 or wider.
