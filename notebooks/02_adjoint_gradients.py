@@ -200,11 +200,12 @@ print(
 
 # %% [markdown]
 # Left: the continuous adjoint is not the gradient of the network on its own coarse
-# grid; as the grid is refined the local slopes settle at 3, one more than Heun's order
-# 2 (the printed numbers). Right: under adaptive steps both approach the finite
-# differences as the tolerance shrinks, and neither is exact: the accepted step sizes
-# depend on $\theta$, finite differences see that dependence, and backpropagation
-# through the steps treats them as constants (the numbers are printed under the plot).
+# grid; as the grid is refined it approaches it, at the local slopes printed under the
+# plot (compare them with Heun's second order). Right: under adaptive steps both
+# approach the finite differences as the tolerance shrinks, and neither is exact: the
+# accepted step sizes depend on $\theta$, finite differences see that dependence, and
+# backpropagation through the steps treats them as constants (the numbers are printed
+# under the plot).
 
 # %% [markdown]
 # ## The costate across depth

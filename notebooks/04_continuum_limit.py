@@ -157,6 +157,7 @@ for label, study in studies.items():
 # %% [markdown]
 # Read the printed numbers: a network trained at one Lie step per layer can fit its own
 # grid (its loss there can be far below the loss of the same controls at the fine
-# reference), and refining moves u(T) by O(1) at m = 1. Every scheme approaches the
-# reference as m grows, at its order, once m is in the asymptotic regime; how soon that
-# happens depends on how large the trained field is, for smooth controls as well.
+# reference), and at m = 1 refining moves u(T) far (the printed |u - u_ref|). Every
+# scheme approaches the reference as m grows, at its order, once m is in the asymptotic
+# regime; how soon that happens depends on how large the trained field is, for smooth
+# controls as well.

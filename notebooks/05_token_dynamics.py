@@ -174,7 +174,8 @@ for label, r in refinement.items():
 # Benettin's algorithm follows `num` random directions, re-orthonormalised after each
 # step; over a finite depth it measures how those directions grow, which depends on the
 # draw and differs from $\frac1T\log\sigma_k$ by $O(1/T)$. Over the depth of a model
-# (T = 4 layers here) the difference is not small:
+# ($T$ its number of layers, a few here) the difference is not small: compare the
+# finite-time exponents printed below with Benettin's estimates.
 
 # %%
 for label, m in models.items():
