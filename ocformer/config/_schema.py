@@ -18,7 +18,7 @@ from ..controls import CONTROL_KINDS, NORM_AFFINES
 from ..dynamics import SUB_SOLVERS
 from ..integration import GRADIENT_METHODS, STEPSIZES
 from ..models import FORMULATIONS, NORM_POSITIONS
-from ..objective import KERNEL_NORMS, PRECISIONS
+from ..objective import KERNEL_NORMS, PRECISIONS, TRAINING_METHODS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
 from ..splitting import SCHEMES, SOLVERS
 from ..tasks import FALLBACKS, TASKS
@@ -228,6 +228,28 @@ class TrainConfig:
     progress: bool = _field(True, "show a progress bar")
     profile_steps: str | None = _field(
         None, "A:B writes a jax.profiler trace of steps A+1..B to DIR/profile (A < B <= steps)"
+    )
+    method: str = _field(
+        "gradient",
+        "how each batch updates the controls: a gradient step of the optimiser, or an "
+        "iteration of the method of successive approximations (E-MSA, docs/msa.md)",
+        choices=TRAINING_METHODS,
+    )
+    msa_inner_steps: int = _field(
+        10, "msa: inner optimiser steps per iteration on each layer's Hamiltonian", ge=1
+    )
+    msa_inner_optimiser: str = _field(
+        "adam", "msa: the inner optimiser (Adam or plain gradient ascent)", choices=("adam", "sgd")
+    )
+    msa_inner_learning_rate: float = _field(3e-3, "msa: the inner learning rate", gt=0.0)
+    msa_rho: float = _field(
+        1.0, "msa: initial and smallest penalty weight rho of the augmented Hamiltonian", gt=0.0
+    )
+    msa_rho_growth: float = _field(
+        2.0,
+        "msa: rho is multiplied by this after an iteration that increased J on its batch and "
+        "divided by it (down to msa_rho) after one that did not (1: rho fixed)",
+        ge=1.0,
     )
 
 

@@ -18,6 +18,7 @@ import diffrax
 
 from ..dynamics import SubSolver
 from ..models import Choices, describe_stepper, refusals
+from ..objective import msa_refusals
 from ..splitting import SCHEMES, SOLVERS
 from ._schema import SECTIONS, Config
 
@@ -209,6 +210,8 @@ def _check_combinations(c: Config) -> None:
     found = refusals(choices(c))
     if found:
         raise ConfigError(found[0].field, found[0].message)
+    if c.train.method == "msa":
+        _check_msa(c)
     o = c.objective
     if c.controls.kind == "basis":
         if c.controls.basis_size > m.num_layers:
@@ -231,6 +234,22 @@ def _check_combinations(c: Config) -> None:
             "objective.kernel_bound",
             "objective.kernel_norm and objective.kernel_bound go together (got "
             f"kernel_norm={o.kernel_norm!r}, kernel_bound={o.kernel_bound!r})",
+        )
+
+
+def _check_msa(c: Config) -> None:
+    o = c.objective
+    found = msa_refusals(
+        choices(c), control_smoothness=o.control_smoothness, kinetic_energy=o.kinetic_energy
+    )
+    if found:
+        raise ConfigError(found[0].field, found[0].message)
+    if c.model.precision not in (None, c.model.dtype):
+        raise ConfigError(
+            "model.precision",
+            f"train.method=msa computes in the parameters' dtype ({c.model.dtype}); "
+            f"model.precision={c.model.precision} is a policy of gradient training. Leave "
+            "model.precision unset, or use train.method=gradient",
         )
 
 

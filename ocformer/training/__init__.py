@@ -25,6 +25,7 @@ from ._optimiser import make_optimiser as make_optimiser, make_schedule as make_
 from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
 from ._step import (
     make_eval_step as make_eval_step,
+    make_msa_step as make_msa_step,
     make_train_step as make_train_step,
     validation_metrics as validation_metrics,
 )

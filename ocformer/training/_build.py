@@ -2,6 +2,7 @@
 constraints, gradient method and optimiser."""
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, cast
@@ -27,7 +28,7 @@ from ..models import (
     TokenEmbedding,
     with_conv_projections,
 )
-from ..objective import Constraints, Objective
+from ..objective import MSA, Constraints, Objective
 from ..tasks import TASKS, make_task
 from . import _init_from
 from ._errors import WorkdirError
@@ -51,6 +52,8 @@ class Experiment:
         init_from: where the model started (``model.init_from``): the source's path and
             kind, the step of a work directory's checkpoint and the SHA-256 of its
             weight files; None for a fresh initialisation.
+        method: the ``ocformer.objective.MSA`` of ``train.method=msa``, or None for
+            gradient training by ``optimiser``.
     """
 
     config: Config
@@ -61,6 +64,13 @@ class Experiment:
     optimiser: optax.GradientTransformation
     schedule: optax.Schedule
     init_from: dict | None = None
+    method: MSA | None = None
+
+    def init_state(self, model):
+        """The state the training step carries: the optimiser's, or MSA's."""
+        if self.method is not None:
+            return self.method.init()
+        return self.optimiser.init(eqx.filter(model, eqx.is_inexact_array))
 
 
 def _task_kwargs(config: Config) -> dict:
@@ -239,7 +249,7 @@ def restore_run(
     params = eqx.filter(exp.model, eqx.is_array)
     template = (
         params,
-        exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array)),
+        exp.init_state(exp.model),
         np.asarray(jr.key_data(jr.key(0))),
         np.asarray(0, np.int64),
         np.asarray(0, np.int64),
@@ -319,4 +329,28 @@ def build(config: Config, task=None) -> Experiment:
         sigma_floor=o.sigma_floor, kernel_norm=cast(Any, o.kernel_norm), kernel_bound=o.kernel_bound
     )
     optimiser, schedule = make_optimiser(config.optimiser, config.train.steps)
-    return Experiment(config, task, model, objective, constraints, optimiser, schedule, init_from)
+    method = build_method(config)
+    return Experiment(
+        config, task, model, objective, constraints, optimiser, schedule, init_from, method
+    )
+
+
+@functools.cache
+def _inner_optimiser(name: str, learning_rate: float) -> optax.GradientTransformation:
+    # Cached, so that equal configurations share one MSA value and its compiled step.
+    if name == "adam":
+        return optax.adam(learning_rate)
+    return optax.sgd(learning_rate)
+
+
+def build_method(config: Config) -> MSA | None:
+    """The ``MSA`` of ``train.method=msa`` (None: gradient training)."""
+    t = config.train
+    if t.method == "gradient":
+        return None
+    return MSA(
+        _inner_optimiser(t.msa_inner_optimiser, t.msa_inner_learning_rate),
+        inner_steps=t.msa_inner_steps,
+        rho=t.msa_rho,
+        rho_growth=t.msa_rho_growth,
+    )

@@ -53,6 +53,7 @@ from ._step import (
     FINITE_SOURCES,
     enable_compile_cache,
     make_eval_step,
+    make_msa_step,
     make_train_step,
     validation_metrics,
 )
@@ -83,7 +84,7 @@ def _to_tree(model, opt_state, key, step: int, skipped: int) -> _State:
 
 
 def _initial_tree(exp: Experiment) -> _State:
-    opt_state = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
+    opt_state = exp.init_state(exp.model)
     return _to_tree(exp.model, opt_state, jr.fold_in(jr.key(exp.config.train.seed), 1), 0, 0)
 
 
@@ -384,10 +385,15 @@ def train(
                 _announce_schedule(run.stored_config or {}, config, step, skipped)
         # Non-finite updates are discarded inside the step in both modes (see the
         # module docstring); "abort" stops at the next check.
-        train_step = make_train_step(
-            with_precision(exp.objective, config), exp.constraints, exp.optimiser,
-            skip_nonfinite=True,
-        )  # fmt: skip
+        if exp.method is None:
+            train_step = make_train_step(
+                with_precision(exp.objective, config), exp.constraints, exp.optimiser,
+                skip_nonfinite=True,
+            )  # fmt: skip
+        else:
+            train_step = make_msa_step(
+                exp.objective, exp.constraints, exp.method, skip_nonfinite=True
+            )
         if layout.active:
             train_step = layout.compile_train_step(train_step, model, opt_state)
         evaluation = _Evaluation(exp, layout, model)

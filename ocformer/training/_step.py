@@ -22,6 +22,8 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
+from ..objective import MSA, msa_iteration
+
 FINITE_SOURCES: tuple[str, ...] = ("loss", "gradients", "parameters")
 
 # Environment variable: a directory for JAX's persistent compilation cache, or one of
@@ -116,6 +118,39 @@ def make_train_step(
 
     if key is not None:
         _TRAIN_STEPS[key] = step
+    return step
+
+
+def make_msa_step(objective, constraints, method: MSA, *, skip_nonfinite: bool) -> Callable:
+    """``step(model, state, batch) -> (model, state, metrics, finite)`` for
+    ``train.method=msa``: one ``ocformer.objective.msa_iteration`` in place of the
+    gradient update, with ``make_train_step``'s contract (``finite`` over the loss, the
+    backward sweep's gradient and the new parameters; a non-finite iteration discarded
+    with ``skip_nonfinite``) and its cache of compiled steps."""
+    key = ("msa", objective, constraints, method, skip_nonfinite)
+    cached = _TRAIN_STEPS.get(key)
+    if cached is not None:
+        return cached
+
+    @eqx.filter_jit
+    def step(model, state, batch):
+        new_model, new_state, metrics = msa_iteration(
+            method, objective, constraints, model, state, batch
+        )
+        finite = jnp.stack(
+            [
+                jnp.isfinite(metrics["loss"]),
+                jnp.isfinite(metrics["grad_norm"]),
+                _all_finite(new_model),
+            ]
+        )
+        if skip_nonfinite:
+            ok = finite.all()
+            new_model = _select(ok, new_model, model)
+            new_state = _select(ok, new_state, state)
+        return new_model, new_state, metrics, finite
+
+    _TRAIN_STEPS[key] = step
     return step
 
 
