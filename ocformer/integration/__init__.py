@@ -1,6 +1,13 @@
 """Integration: the discretisation as a value, the time grid, the gradient methods,
 and the one ``diffeqsolve`` call where terms, time stepper and adjoint meet."""
 
+from ._depth import (
+    DEPTH_AXIS as DEPTH_AXIS,
+    DEPTH_PARALLEL as DEPTH_PARALLEL,
+    AbstractDepthParallel as AbstractDepthParallel,
+    Parareal as Parareal,
+    chunk_controls as chunk_controls,
+)
 from ._discretisation import (
     STEPSIZES as STEPSIZES,
     Discretisation as Discretisation,
@@ -26,4 +33,8 @@ from ._grid import (
     time_dtype as time_dtype,
     time_grid as time_grid,
 )
-from ._solve import bind_solver as bind_solver, solve as solve
+from ._solve import (
+    bind_solver as bind_solver,
+    solve as solve,
+    solve_in_depth as solve_in_depth,
+)

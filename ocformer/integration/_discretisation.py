@@ -7,6 +7,7 @@ import diffrax
 import equinox as eqx
 
 from ..splitting import AbstractSplittingSolver, Lie
+from ._depth import AbstractDepthParallel
 from ._gradients import AbstractGradientMethod, DiscretiseThenOptimise
 from ._grid import check_steps_per_layer
 
@@ -41,10 +42,14 @@ class Discretisation(eqx.Module):
             implicit solvers.
         jump_ts: tell the PID controller where piecewise-constant controls jump.
         gradient: the gradient method (``DiscretiseThenOptimise()`` by default).
+        depth_parallel: None (the serial solve), or how the layer grid is solved in
+            parallel chunks (``ocformer.integration.Parareal(...)``): the discretisation
+            above is then the fine propagator over each chunk.
     """
 
     stepper: diffrax.AbstractSolver
     gradient: AbstractGradientMethod
+    depth_parallel: AbstractDepthParallel | None
     steps_per_layer: int = eqx.field(static=True)
     stepsize: StepSize = eqx.field(static=True)
     rtol: float = eqx.field(static=True)
@@ -61,9 +66,11 @@ class Discretisation(eqx.Module):
         atol: float = 1e-8,
         jump_ts: bool = True,
         gradient: AbstractGradientMethod | None = None,
+        depth_parallel: AbstractDepthParallel | None = None,
     ):
         self.stepper = Lie() if stepper is None else stepper
         self.gradient = DiscretiseThenOptimise() if gradient is None else gradient
+        self.depth_parallel = depth_parallel
         self.steps_per_layer = steps_per_layer
         self.stepsize = stepsize
         self.rtol = rtol
@@ -81,6 +88,13 @@ class Discretisation(eqx.Module):
             raise ValueError(
                 "Discretisation.gradient must be a gradient method (ocformer.integration."
                 f"DiscretiseThenOptimise(), ...), got {type(self.gradient).__name__}."
+            )
+        if self.depth_parallel is not None and not isinstance(
+            self.depth_parallel, AbstractDepthParallel
+        ):
+            raise ValueError(
+                "Discretisation.depth_parallel must be None or a depth-parallel solve "
+                f"(ocformer.integration.Parareal(), ...), got {type(self.depth_parallel).__name__}."
             )
         check_steps_per_layer(self.steps_per_layer)
         if self.stepsize not in STEPSIZES:
@@ -109,6 +123,19 @@ class Discretisation(eqx.Module):
                 f"{', '.join(f.name for f in dataclasses.fields(self))}."
             )
         return dataclasses.replace(self, **changes)
+
+    def coarse(self, steps_per_layer: int = 1) -> "Discretisation":
+        """The coarse propagator's discretisation of a depth-parallel solve: its coarse
+        stepper with ``steps_per_layer`` constant steps per piece of the coarse
+        control, differentiated by backpropagation through the scheme."""
+        if self.depth_parallel is None:
+            raise ValueError("coarse() needs a depth-parallel discretisation (depth_parallel=...).")
+        return Discretisation(
+            self.depth_parallel.coarse_stepper,
+            steps_per_layer=steps_per_layer,
+            rtol=self.rtol,
+            atol=self.atol,
+        )
 
     def refine(self, steps_per_layer: int) -> "Discretisation":
         """The same discretisation with ``steps_per_layer`` steps per layer."""

@@ -4,10 +4,12 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Bool
 
 from ..controls import AbstractControl
 from ..dynamics import DynamicsArgs
 from ..splitting import AbstractSplittingSolver, inner_solver, with_inner_solver
+from ._depth import chunk_controls
 from ._discretisation import Discretisation
 from ._grid import adaptive_controller, adaptive_max_steps, constant_controller, time_grid
 
@@ -87,3 +89,56 @@ def solve(
     # The state was carried in the dtype of time (see above and ``time_dtype``).
     ys = jax.tree.map(lambda y: y.astype(u0.dtype), sol.ys)
     return eqx.tree_at(lambda s: s.ys, sol, ys)
+
+
+class _ChunkSolve(eqx.Module):
+    """``(chunk control, u(T_n)) -> u(T_{n+1})``: ``solve`` over one chunk. A module,
+    not a closure, so that a sweep sharded over devices takes its arrays (the key mask)
+    as arguments."""
+
+    terms: diffrax.AbstractTerm
+    stepper: diffrax.AbstractSolver
+    discretisation: Discretisation
+    key_mask: Bool[Array, "*batch N"] | None
+
+    def __call__(self, chunk: AbstractControl, u):
+        sol = solve(self.terms, self.stepper, chunk, u, self.discretisation, key_mask=self.key_mask)
+        assert sol.ys is not None
+        return sol.ys[-1]
+
+
+def solve_in_depth(
+    fine: tuple[diffrax.AbstractTerm, diffrax.AbstractSolver],
+    coarse: tuple[diffrax.AbstractTerm, diffrax.AbstractSolver],
+    control: AbstractControl,
+    u0,
+    discretisation: Discretisation,
+    *,
+    key_mask=None,
+):
+    """The states at the chunk boundaries after each iteration of the depth-parallel
+    solve of ``discretisation.depth_parallel`` (shape ``(K + 1, N + 1, *u0.shape)``;
+    the last entry is u(T)).
+
+    ``fine`` and ``coarse`` are the terms and stepper of the discretisation and of its
+    coarse stepper (the model's, posed for each stepper). Every chunk solve, fine or
+    coarse, is a ``solve`` above: the fine one with ``discretisation`` over the chunk's
+    layers, the coarse one with ``discretisation.coarse(...)`` over the chunk's coarse
+    control (``chunk_controls``).
+    """
+    method = discretisation.depth_parallel
+    if method is None:
+        raise ValueError("solve_in_depth needs a discretisation with depth_parallel set.")
+    chunks = method.num_chunks(control.num_layers)
+    fine_controls, coarse_controls, steps_per_piece = chunk_controls(
+        control, chunks, method.coarse_steps
+    )
+    coarse_discretisation = discretisation.coarse(steps_per_piece)
+
+    return method.iterates(
+        _ChunkSolve(*fine, discretisation, key_mask),
+        _ChunkSolve(*coarse, coarse_discretisation, key_mask),
+        fine_controls,
+        coarse_controls,
+        u0,
+    )

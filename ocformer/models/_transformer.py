@@ -25,7 +25,7 @@ from ..dynamics import (
     TangentTerm,
     project_onto_set,
 )
-from ..integration import Discretisation, bind_solver, solve
+from ..integration import Discretisation, bind_solver, solve, solve_in_depth
 from ..operators import Activation, Attention, FeedForward, Grid, LayerNormProjection
 from ..splitting import (
     AbstractSplittingSolver,
@@ -320,8 +320,36 @@ class ContinuousTransformer(eqx.Module):
         saveat: diffrax.SaveAt | None = None,
     ) -> diffrax.Solution:
         """The diffrax solution from u(0) = u0 (before any final projection); its
-        ``stats`` count the steps and vector-field evaluations."""
+        ``stats`` count the steps and vector-field evaluations.
+
+        Under a depth-parallel discretisation the solution holds u(T) alone (the last
+        iterate of ``depth_iterates``), with no statistics, and ``saveat`` is refused:
+        the chunks' interior states are not those of one solve.
+        """
         self._check_input(u0, key_mask)
+        if self.discretisation.depth_parallel is not None:
+            if saveat is not None:
+                raise ValueError(
+                    "a depth-parallel solve (discretisation.depth_parallel) gives u(T) "
+                    "only; saving the states of the grid (a trajectory, the kinetic "
+                    "energy) needs the serial solve: rediscretise(model, "
+                    "depth_parallel=None)."
+                )
+            u_t = self.depth_iterates(u0, key_mask)[-1, -1]
+            t0, t1 = self.control.interval
+            return diffrax.Solution(
+                t0=jnp.asarray(t0),
+                t1=jnp.asarray(t1),
+                ts=jnp.asarray([t1]),
+                ys=u_t[None],
+                interpolation=None,
+                stats={},
+                result=diffrax.RESULTS.successful,
+                solver_state=None,
+                controller_state=None,
+                made_jump=None,
+                event_mask=None,
+            )
         model = self._in_dtype(u0.dtype)
         return solve(
             model.terms(),
@@ -331,6 +359,34 @@ class ContinuousTransformer(eqx.Module):
             model.discretisation,
             key_mask=key_mask,
             saveat=saveat,
+        )
+
+    def depth_iterates(
+        self, u0: State, key_mask: KeyMask | None = None
+    ) -> Float[Array, "iterations chunks_plus_one *batch N d"]:
+        """The states at the chunk boundaries after each iteration of the
+        depth-parallel solve (before any final projection): entry ``[k, n]`` is
+        $U^k_n$, iteration 0 the coarse guess, ``[-1, -1]`` u(T).
+
+        The fine propagator is this model's discretisation over each chunk, the coarse
+        one the same equation under ``discretisation.coarse(...)`` (its terms posed for
+        the coarse stepper)."""
+        self._check_input(u0, key_mask)
+        d = self.discretisation
+        if d.depth_parallel is None:
+            raise ValueError(
+                "depth_iterates needs a depth-parallel discretisation: rediscretise(model, "
+                "depth_parallel=ocformer.integration.Parareal(...))."
+            )
+        model = self._in_dtype(u0.dtype)
+        coarse = eqx.tree_at(lambda m: m.discretisation, model, d.coarse())
+        return solve_in_depth(
+            (model.terms(), model.time_stepper()),
+            (coarse.terms(), coarse.time_stepper()),
+            model.control,
+            model.initial_state(u0),
+            model.discretisation,
+            key_mask=key_mask,
         )
 
     def trajectory(
