@@ -16,7 +16,7 @@ from typing import Any
 
 from ..controls import CONTROL_KINDS, NORM_AFFINES
 from ..dynamics import SUB_SOLVERS
-from ..integration import GRADIENT_METHODS, STEPSIZES
+from ..integration import DEPTH_PARALLEL, GRADIENT_METHODS, STEPSIZES
 from ..models import FORMULATIONS, NORM_POSITIONS
 from ..objective import KERNEL_NORMS, PRECISIONS, TRAINING_METHODS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
@@ -126,6 +126,23 @@ class DiscretisationConfig:
         "discretise_then_optimise",
         "gradient method (ocformer.integration.GRADIENT_METHODS)",
         choices=tuple(GRADIENT_METHODS),
+    )
+    depth_parallel: str | None = _field(
+        None,
+        "solve the layer grid in parallel chunks (parareal; None: the serial solve)",
+        choices=(None, *DEPTH_PARALLEL),
+    )
+    coarse_stepper: str = _field(
+        "lie",
+        "coarse time stepper of the depth-parallel solve (euler sub-solver)",
+        choices=(*SCHEMES, *SOLVERS),
+    )
+    coarse_steps: int = _field(
+        1, "coarse steps over each chunk (divides its layers or is a multiple)", ge=1
+    )
+    iterations: int = _field(1, "depth-parallel iterations K", ge=1)
+    chunks: int | None = _field(
+        None, "chunks of the layer grid, dividing the layers (None: one per layer)", ge=1
     )
 
 
@@ -263,6 +280,11 @@ class MeshConfig:
     data: int = _field(-1, "devices the batch is split over (-1: those mesh.model leaves)", ge=-1)
     model: int = _field(
         1, "devices the controls are split over by heads and hidden width (-1: the rest)", ge=-1
+    )
+    depth: int = _field(
+        1,
+        "devices the chunks of a depth-parallel solve are split over; divides the layers",
+        ge=1,
     )
 
 

@@ -146,9 +146,16 @@ def choices(c: Config) -> Choices:
     """The configuration's equation and discretisation as the rules' plain values."""
     d, m = c.discretisation, c.model
     sub_solver = d.sub_solver if d.stepper in SCHEMES else "euler"
+    coarse = describe_stepper(stepper_object(d.coarse_stepper))
     return dataclasses.replace(
         Choices(
             **describe_stepper(stepper_object(d.stepper, sub_solver)),
+            depth_parallel=d.depth_parallel,
+            coarse_stepper=coarse["stepper"],
+            coarse_stepper_kind=coarse["stepper_kind"],
+            coarse_error_estimate=coarse["error_estimate"],
+            coarse_steps=d.coarse_steps,
+            chunks=d.chunks,
             steps_per_layer=d.steps_per_layer,
             stepsize=d.stepsize,
             jump_ts=d.jump_ts,
@@ -210,6 +217,7 @@ def _check_combinations(c: Config) -> None:
     found = refusals(choices(c))
     if found:
         raise ConfigError(found[0].field, found[0].message)
+    _check_depth_objective(c)
     if c.train.method == "msa":
         _check_msa(c)
     o = c.objective
@@ -301,10 +309,51 @@ def _check_mesh(c: Config) -> None:
             raise ConfigError(
                 f"mesh.{name}", "got 0; give a number of devices >= 1, or -1 for the rest"
             )
+    _check_depth(c)
     if mesh.data == -1 and mesh.model == -1:
         raise ConfigError(
             "mesh.model",
             "mesh.data and mesh.model are both -1 ('the rest'); fix one of them, e.g. mesh.model=1",
+        )
+
+
+def _check_depth(c: Config) -> None:
+    """``mesh.depth``: devices over which the chunks of a depth-parallel solve are split,
+    so it must divide the layers and the chunks, and needs a depth-parallel solve."""
+    depth, d, layers = c.mesh.depth, c.discretisation, c.model.num_layers
+    if depth == 1:
+        return
+    if d.depth_parallel is None:
+        raise ConfigError(
+            "mesh.depth",
+            f"mesh.depth={depth} splits the chunks of a depth-parallel solve over devices, "
+            "but discretisation.depth_parallel is none; set discretisation.depth_parallel="
+            "parareal, or mesh.depth=1",
+        )
+    if layers % depth:
+        raise ConfigError(
+            "mesh.depth",
+            f"mesh.depth={depth} devices must divide model.num_layers={layers} (each "
+            "device sweeps the same number of whole chunks of layers); choose a divisor "
+            "of the layer count",
+        )
+    chunks = layers if d.chunks is None else d.chunks
+    if chunks % depth:
+        raise ConfigError(
+            "mesh.depth",
+            f"mesh.depth={depth} devices must divide the {chunks} chunks "
+            "(discretisation.chunks; each device sweeps the same number of them); choose "
+            "a divisor of the chunk count",
+        )
+
+
+def _check_depth_objective(c: Config) -> None:
+    if c.discretisation.depth_parallel is not None and c.objective.kinetic_energy:
+        raise ConfigError(
+            "objective.kinetic_energy",
+            "the kinetic energy needs the states of every step, and a depth-parallel solve "
+            "(discretisation.depth_parallel) gives u(T) only; set objective."
+            "kinetic_energy=0, or discretisation.depth_parallel=none",
         )
 
 

@@ -278,5 +278,6 @@ def chunk_controls(
     )
 
 
-DEPTH_PARALLEL: dict[str, type[AbstractDepthParallel]] = {Parareal.name: Parareal}
-"""Depth-parallel solves by name; each class is constructible with no arguments."""
+DEPTH_PARALLEL: dict[str, Callable[..., AbstractDepthParallel]] = {Parareal.name: Parareal}
+"""Depth-parallel solves by name; each is constructible with no arguments or with the
+coarse stepper and the keywords ``coarse_steps``, ``iterations`` and ``chunks``."""

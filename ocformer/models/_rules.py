@@ -72,6 +72,11 @@ class Choices:
         scalar_norm: whether the layer-norm controls are the paper's scalar sigma1,
             sigma2 (a set to project onto) rather than per-feature gains.
         num_layers: the number of layers (pieces of the time grid).
+        depth_parallel: the depth-parallel solve's name (``"parareal"``), or None.
+        coarse_stepper, coarse_stepper_kind, coarse_error_estimate: its coarse time
+            stepper, described as ``stepper`` is.
+        coarse_steps: steps of the coarse grid over each chunk.
+        chunks: the number of chunks (None: one per layer).
     """
 
     stepper: str
@@ -88,6 +93,12 @@ class Choices:
     controls: str = "piecewise_constant"
     scalar_norm: bool = False
     num_layers: int = 1
+    depth_parallel: str | None = None
+    coarse_stepper: str = "lie"
+    coarse_stepper_kind: StepperKind = "splitting"
+    coarse_error_estimate: bool = False
+    coarse_steps: int = 1
+    chunks: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +349,90 @@ def _stored_needs_constant_steps(c: Choices) -> Refusal | None:
     return None
 
 
+def _depth_needs_piecewise_constant(c: Choices) -> Refusal | None:
+    if c.depth_parallel is not None and c.controls != "piecewise_constant":
+        return Refusal(
+            "controls.kind",
+            f"depth_parallel={c.depth_parallel!r} cuts the layers of piecewise-constant "
+            f"controls into chunks; controls.kind={c.controls!r} has no layers to cut. Use "
+            "controls.kind=piecewise_constant, or depth_parallel=none",
+        )
+    return None
+
+
+def _depth_chunks_divide_layers(c: Choices) -> Refusal | None:
+    if c.depth_parallel is not None and c.chunks is not None and c.num_layers % c.chunks:
+        return Refusal(
+            "discretisation.chunks",
+            f"chunks={c.chunks} must divide model.num_layers={c.num_layers} (each chunk is "
+            "a whole number of layers); choose a divisor of the layer count",
+        )
+    return None
+
+
+def _layers_per_chunk(c: Choices) -> int:
+    return c.num_layers // (c.num_layers if c.chunks is None else c.chunks)
+
+
+def _depth_coarse_steps_fit(c: Choices) -> Refusal | None:
+    if c.depth_parallel is None or (c.chunks is not None and c.num_layers % c.chunks):
+        return None
+    per_chunk = _layers_per_chunk(c)
+    if per_chunk % c.coarse_steps and c.coarse_steps % per_chunk:
+        return Refusal(
+            "discretisation.coarse_steps",
+            f"coarse_steps={c.coarse_steps} must divide the {per_chunk} layers of a chunk "
+            f"or be a multiple of them (each coarse step covers whole layers, or each "
+            "layer whole coarse steps); choose a divisor or a multiple",
+        )
+    return None
+
+
+_COARSE_FIELDS = {
+    "discretisation.stepper": "discretisation.coarse_stepper",
+    "discretisation.steps_per_layer": "discretisation.coarse_steps",
+    "discretisation.sub_solver": "discretisation.coarse_stepper",
+    "discretisation.gradient": "discretisation.coarse_stepper",
+    "discretisation.stepsize": "discretisation.coarse_stepper",
+}
+
+
+def coarse_choices(c: Choices) -> Choices:
+    """The coarse propagator of a depth-parallel solve as a serial combination of its
+    own: the same equation with the coarse stepper (euler sub-solver), constant steps,
+    backpropagation through it, and its steps per layer (1 when a coarse step covers
+    several layers)."""
+    return dataclasses.replace(
+        c,
+        stepper=c.coarse_stepper,
+        stepper_kind=c.coarse_stepper_kind,
+        error_estimate=c.coarse_error_estimate,
+        sub_solver="euler",
+        steps_per_layer=max(1, c.coarse_steps // _layers_per_chunk(c)),
+        stepsize="constant",
+        gradient="discretise_then_optimise",
+        depth_parallel=None,
+    )
+
+
+def _depth_coarse_stepper(c: Choices) -> Refusal | None:
+    if c.depth_parallel is None or (c.chunks is not None and c.num_layers % c.chunks):
+        return None
+    for rule in RULES:
+        found = rule(coarse_choices(c))
+        if found is not None:
+            return Refusal(
+                _COARSE_FIELDS.get(found.field, found.field),
+                f"as the coarse stepper of depth_parallel={c.depth_parallel!r}: {found.message}",
+            )
+    return None
+
+
 RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
+    _depth_needs_piecewise_constant,
+    _depth_chunks_divide_layers,
+    _depth_coarse_steps_fit,
+    _depth_coarse_stepper,
     _smooth_limit_of_post,
     _sets_need_scalar_norm,
     _post_split_needs_splitting,

@@ -174,8 +174,20 @@ class ContinuousTransformer(eqx.Module):
         """This model's equation and discretisation as the plain values of the rules."""
         d = self.discretisation
         norm2 = self.control(self.control.interval[0]).norm2
+        depth: dict = {}
+        if d.depth_parallel is not None:
+            coarse = describe_stepper(d.depth_parallel.coarse_stepper)
+            depth = dict(
+                depth_parallel=d.depth_parallel.name,
+                coarse_stepper=coarse["stepper"],
+                coarse_stepper_kind=coarse["stepper_kind"],
+                coarse_error_estimate=coarse["error_estimate"],
+                coarse_steps=d.depth_parallel.coarse_steps,
+                chunks=d.depth_parallel.chunks,
+            )
         return Choices(
             **describe_stepper(d.stepper),
+            **depth,
             steps_per_layer=d.steps_per_layer,
             stepsize=d.stepsize,
             jump_ts=d.jump_ts,

@@ -18,7 +18,7 @@ from .. import controls
 from ..checkpointing import CheckpointError, CheckpointManager
 from ..config import Config, ConfigError, from_dict, stepper_object, validate
 from ..controls import NormParams
-from ..integration import GRADIENT_METHODS, Discretisation
+from ..integration import DEPTH_PARALLEL, GRADIENT_METHODS, Discretisation
 from ..models import (
     ContinuousTransformer,
     IncompatibleError,
@@ -110,6 +110,14 @@ def build_discretisation(config: Config) -> Discretisation:
         atol=d.atol,
         jump_ts=d.jump_ts,
         gradient=GRADIENT_METHODS[d.gradient](),
+        depth_parallel=None
+        if d.depth_parallel is None
+        else DEPTH_PARALLEL[d.depth_parallel](
+            stepper_object(d.coarse_stepper),
+            coarse_steps=d.coarse_steps,
+            iterations=d.iterations,
+            chunks=d.chunks,
+        ),
     )
 
 
