@@ -9,7 +9,7 @@ import numpy as np
 
 from ocformer.config import OptimiserConfig, resolve
 from ocformer.objective import Objective
-from ocformer.training import build, make_schedule, train
+from ocformer.training import _step, build, make_schedule, train
 from ocformer.training._optimiser import learning_rate_of, with_schedule
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +29,9 @@ def test_runs_differing_in_schedule_trace_the_step_once(tmp_path, monkeypatch):
         return real(self, model, batch)
 
     monkeypatch.setattr(Objective, "__call__", counting)
+    # Start from no compiled step in this process, whatever ran before in this worker.
+    monkeypatch.setattr(_step, "_TRAIN_STEPS", {})
+    monkeypatch.setattr(_step, "_EVAL_STEPS", {})
     first = resolve(SMOKE, [*RUN, "train.steps=2"])
     summary = train(first, str(tmp_path / "a"))
     assert summary["step"] == 2
