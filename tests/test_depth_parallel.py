@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _devices import xla_flags
 
 from ocformer.config import ConfigError, resolve
 from ocformer.controls import make_control
@@ -169,20 +170,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _xla_flags(devices: int) -> str:
-    """The test run's XLA flags (conftest's compile settings) with ``devices`` forced
-    CPU devices."""
-    kept = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
-
-
 @pytest.mark.slow
 def test_one_two_and_four_depth_devices_give_the_same_numbers():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(4), PYTHONPATH=ROOT)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4), PYTHONPATH=ROOT)
     proc = subprocess.run(
         [sys.executable, "-c", _DEVICES, os.path.dirname(os.path.abspath(__file__))],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from _devices import xla_flags
 
 from ocformer import launch, train as cli
 from ocformer.checkpointing import MARKER
@@ -156,17 +157,6 @@ def test_unreachable_coordinator_ends_with_address_and_timeout():
 # -- subprocesses ----------------------------------------------------------------------
 
 
-def _xla_flags(devices: int) -> str:
-    """The test run's XLA flags (conftest's compile settings) with ``devices`` forced
-    CPU devices."""
-    kept = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     e = dict(os.environ)
@@ -174,7 +164,7 @@ def env(tmp_path_factory):
         e.pop(name, None)
     e.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=_xla_flags(devices=1),
+        XLA_FLAGS=xla_flags(devices=1),
         JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         EQX_ON_ERROR="nan",
@@ -270,7 +260,7 @@ def _relative(a, b) -> float:
 def test_meshes_of_four_devices_equal_one_device(env):
     """20 steps on meshes (4, 1) and (2, 2) of 4 forced CPU devices give the losses of
     one device with the same global batch, and the compiled step all-reduces."""
-    e = dict(env, XLA_FLAGS=_xla_flags(devices=4))
+    e = dict(env, XLA_FLAGS=xla_flags(devices=4))
     overrides = [
         "train.steps=20",
         "train.eval_every=20",
@@ -382,7 +372,7 @@ def test_each_process_makes_only_its_rows_of_the_global_batch(env, prepared):
     processes: each process makes only its own rows (counted), falls back to the whole
     batch for a task that cannot draw rows alone, and the global batch its devices
     assemble is bitwise the one-process batch."""
-    e = dict(env, XLA_FLAGS=_xla_flags(devices=4))
+    e = dict(env, XLA_FLAGS=xla_flags(devices=4))
     one = subprocess.run(
         [sys.executable, "-c", _ROWS, SMOKE, prepared, "1", "0"],
         env=e, cwd=ROOT, capture_output=True, text=True, timeout=600,
