@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint bench train data clean notebooks notebooks-check lab
+.PHONY: setup test test-full lint bench train data clean notebooks notebooks-check lab
 
 setup: $(STAMP)
 
@@ -14,8 +14,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
 	touch $(STAMP)
 
+# The suite in two tiers; CI runs both (.ci/run). `make test`: every test not marked slow.
+# `make test-full`: the tests marked slow (the notebooks at small size, the benchmarks'
+# code paths, sweeps, several processes and devices, kills during saves, the longest
+# numerical studies), longest first.
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=15 -m "not slow"
+
+test-full: setup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -q --durations=15 -m slow
 
 lint: setup
 	$(BIN)/ruff format --check ocformer tests benchmarks experiments

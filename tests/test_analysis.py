@@ -93,6 +93,7 @@ def test_step_map_reproduces_the_solve(stepper):
     np.testing.assert_allclose(np.asarray(steps.times), np.asarray(ts), atol=1e-13)
 
 
+@pytest.mark.slow
 def test_gradient_check_agrees_with_finite_differences():
     """Heun, 2 steps per layer, cross-entropy: the exact methods match float64 central
     differences (h = 1e-5) to 1e-8; optimise-then-discretise differs by its

@@ -30,6 +30,7 @@ def test_lie_and_strang_orders(formulation):
         assert all(a > b for a, b in zip(r["errors"], r["errors"][1:]))
 
 
+@pytest.mark.slow
 def test_every_claimed_order_is_measured():
     """Every (stepper, formulation) whose order() claims an order converges at that order
     under refinement: measured local slopes at the finest steps within 0.3 of it.
