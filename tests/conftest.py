@@ -1,8 +1,8 @@
-"""Test-wide settings: float64 available, strict rank promotion, warnings as errors
-(pyproject), one persistent compilation cache shared by every process of the run, and
-the order in which tests are handed to the workers. Array shapes in
-public signatures are documented by the jaxtyping aliases of ``ocformer._custom_types``;
-they are not checked at run time."""
+"""Test-wide settings: XLA's fast CPU compilation, float64 available, strict rank
+promotion, warnings as errors (pyproject), one persistent compilation cache shared by
+every process of the run, and the order in which tests are handed to the workers. Array
+shapes in public signatures are documented by the jaxtyping aliases of
+``ocformer._custom_types``; they are not checked at run time."""
 
 import os
 import pathlib
@@ -22,7 +22,8 @@ _FAST_COMPILE = (
 _flags = os.environ.get("XLA_FLAGS", "").split()
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
     _flags.append("--xla_force_host_platform_device_count=1")
-_flags += [f for f in _FAST_COMPILE if f.split("=")[0] not in {g.split("=")[0] for g in _flags}]
+_given = {f.split("=")[0] for f in _flags}  # a flag set by the caller is kept as given
+_flags += [f for f in _FAST_COMPILE if f.split("=")[0] not in _given]
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 # One persistent compilation cache for the whole run: the xdist workers, the command-line
 # runs they start and the notebook kernels inherit these variables, so a program that
