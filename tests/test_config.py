@@ -255,6 +255,22 @@ BAD_CONFIGS = [
         "discretisation.gradient",
         "the continuous adjoint",
     ),
+    (
+        ["objective.ternary=true", "controls.kind=piecewise_linear"],
+        "controls.kind",
+        "theta(t) between them is not ternary",
+    ),
+    (
+        ["objective.ternary=true", "objective.kernel_norm=spectral", "objective.kernel_bound=2"],
+        "objective.kernel_norm",
+        "off the ternary set",
+    ),
+    (["objective.ternary_sparsity=0.1"], "objective.ternary_sparsity", "the kernels are real"),
+    (
+        ["train.method=msa", "objective.ternary=true", "train.msa_ternary_memory=0"],
+        "train.msa_ternary_memory",
+        "> 0",
+    ),
     (["train.steps"], "--set", "bad --set syntax"),
     (["model=3"], "model", "not a whole section"),
     (["a.b.c=1"], "a.b.c", "malformed key"),

@@ -175,6 +175,14 @@ class ObjectiveConfig:
         None, "norm bounded on every kernel", choices=(None, *KERNEL_NORMS)
     )
     kernel_bound: float | None = _field(None, "bound on the kernel norm", gt=0.0)
+    ternary: bool = _field(
+        False,
+        "feed-forward kernels in {-a, 0, a}, one scale a per layer and map (gradient "
+        "training: straight-through estimator; msa: the discrete MSA; docs/msa.md)",
+    )
+    ternary_sparsity: float = _field(
+        0.0, "weight lambda of |W|_0 in the ternary projection (objective.ternary)", ge=0.0
+    )
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,18 @@ class TrainConfig:
         "msa: rho is multiplied by this after an iteration that increased J on its batch and "
         "divided by it (down to msa_rho) after one that did not (1: rho fixed)",
         ge=1.0,
+    )
+    msa_ternary_step: float = _field(
+        1.0,
+        "msa with objective.ternary: weight eta of each Hamiltonian gradient in the real "
+        "kernels M that the ternary kernels are the projection of",
+        gt=0.0,
+    )
+    msa_ternary_memory: float = _field(
+        1.0,
+        "msa with objective.ternary: weight alpha of the past in M (1: no decay)",
+        gt=0.0,
+        le=1.0,
     )
 
 

@@ -18,7 +18,7 @@ import diffrax
 
 from ..dynamics import SubSolver
 from ..models import Choices, describe_stepper, refusals
-from ..objective import msa_refusals
+from ..objective import msa_refusals, ternary_refusals
 from ..splitting import SCHEMES, SOLVERS
 from ._schema import SECTIONS, Config
 
@@ -220,6 +220,7 @@ def _check_combinations(c: Config) -> None:
     _check_depth_objective(c)
     if c.train.method == "msa":
         _check_msa(c)
+    _check_ternary(c)
     o = c.objective
     if c.controls.kind == "basis":
         if c.controls.basis_size > m.num_layers:
@@ -259,6 +260,21 @@ def _check_msa(c: Config) -> None:
             f"model.precision={c.model.precision} is a policy of gradient training. Leave "
             "model.precision unset, or use train.method=gradient",
         )
+
+
+def _check_ternary(c: Config) -> None:
+    o = c.objective
+    if not o.ternary:
+        if o.ternary_sparsity > 0:
+            raise ConfigError(
+                "objective.ternary_sparsity",
+                f"{o.ternary_sparsity} weights |W|_0 in the ternary projection, but the "
+                "kernels are real; set objective.ternary=true, or ternary_sparsity=0",
+            )
+        return
+    found = ternary_refusals(choices(c), kernel_norm=o.kernel_norm)
+    if found:
+        raise ConfigError(found[0].field, found[0].message)
 
 
 def _check_precision(c: Config) -> None:

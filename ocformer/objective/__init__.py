@@ -33,3 +33,11 @@ from ._running import (
     kinetic_energy as kinetic_energy,
     kinetic_energy_of_states as kinetic_energy_of_states,
 )
+from ._ternary import (
+    Ternary as Ternary,
+    check_ternary as check_ternary,
+    feedforward_kernels as feedforward_kernels,
+    ternary_projection as ternary_projection,
+    ternary_refusals as ternary_refusals,
+    with_feedforward_kernels as with_feedforward_kernels,
+)

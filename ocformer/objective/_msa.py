@@ -50,6 +50,7 @@ from ..models import Choices, ContinuousTransformer, IncompatibleError, Refusal,
 from ._constraints import Constraints
 from ._objective import Objective, cross_entropy
 from ._running import control_size
+from ._ternary import check_ternary, feedforward_kernels, with_feedforward_kernels
 
 TRAINING_METHODS: tuple[str, ...] = ("gradient", "msa")
 """How a run updates its controls (``train.method``): a gradient step of the optimiser
@@ -86,18 +87,37 @@ class MSA(eqx.Module):
     with $\gamma$ = ``rho_growth`` ($\gamma = 1$: $\rho$ fixed) and $\rho_0$ = ``rho``,
     the floor. The update is kept either way.
 
+    With ternary feed-forward kernels (``Objective.ternary``) the iteration is the
+    discrete MSA (Li and Hao, ICML 2018) for them: before the inner steps, every
+    kernel of every layer is set to the exact maximiser over the ternary set $T$ of
+    the accumulated linearised Hamiltonians,
+
+    $$M^{k+1} = \alpha\,M^k + \eta\,\nabla_W H(u_n, p_{n+1}, \theta_n^k), \qquad
+      W^{k+1} = Q_\lambda(M^{k+1}) = \arg\max_{W \in T}\ \langle M^{k+1}, W\rangle
+      - \tfrac12 |W|^2 - \lambda |W|_0,$$
+
+    entry-wise $W_i = a\,\mathrm{sign}(M_i)$ where $|M_i| > a/2 + \lambda/a$, else 0,
+    with the scale $a$ of each layer and map in closed form
+    (``ocformer.objective.ternary_projection``); $M^0$ is the initial real kernel,
+    $\eta$ = ``ternary_step``, $\alpha$ = ``ternary_memory``. The inner steps then
+    maximise $\tilde H_n$ over the layer's other controls with the new kernels held.
+
     Args:
         inner: the optax transformation that maximises $\tilde H_n$ (it minimises
             $-\tilde H_n$), e.g. ``optax.sgd(0.1)`` or ``optax.adam(1e-2)``.
         inner_steps: the fixed budget of inner steps per iteration (>= 1).
         rho: the initial and smallest penalty weight $\rho_0 \ge 0$.
         rho_growth: $\gamma \ge 1$.
+        ternary_step: $\eta > 0$, the weight of each new Hamiltonian gradient in $M$.
+        ternary_memory: $\alpha \in (0, 1]$, the weight of the past in $M$.
     """
 
     inner: optax.GradientTransformation = eqx.field(static=True)
     inner_steps: int = eqx.field(default=1, static=True)
     rho: float = eqx.field(default=1.0, static=True)
     rho_growth: float = eqx.field(default=2.0, static=True)
+    ternary_step: float = eqx.field(default=1.0, static=True)
+    ternary_memory: float = eqx.field(default=1.0, static=True)
 
     def __check_init__(self):
         if not isinstance(self.inner, optax.GradientTransformation):
@@ -120,10 +140,27 @@ class MSA(eqx.Module):
             raise ValueError(
                 f"MSA.rho_growth must be a number >= 1 (1: rho fixed), got {self.rho_growth!r}."
             )
+        if not (isinstance(self.ternary_step, int | float) and self.ternary_step > 0):
+            raise ValueError(f"MSA.ternary_step must be a number > 0, got {self.ternary_step!r}.")
+        memory = self.ternary_memory
+        if not (isinstance(memory, int | float) and 0 < memory <= 1):
+            raise ValueError(f"MSA.ternary_memory must be in (0, 1], got {memory!r}.")
 
-    def init(self) -> "MSAState":
-        """The state of the first iteration: $\rho = \rho_0$."""
-        return MSAState(rho=jnp.asarray(self.rho, jnp.float32))
+    def init(
+        self, model: SequenceModel | None = None, objective: Objective | None = None
+    ) -> "MSAState":
+        """The state of the first iteration: $\rho = \rho_0$, and, when ``objective``
+        restricts the feed-forward kernels of ``model`` to the ternary set, the real
+        $M^0$: the model's initial kernels."""
+        latent = None
+        if objective is not None and objective.ternary is not None:
+            if model is None:
+                raise ValueError(
+                    "MSA.init needs the model when the objective's feed-forward kernels are "
+                    "ternary: M starts from its real kernels (MSA.init(model, objective))."
+                )
+            latent = feedforward_kernels(model)
+        return MSAState(rho=jnp.asarray(self.rho, jnp.float32), latent=latent)
 
     def adapt(self, rho, before, after):
         r"""$\rho_{k+1}$ from $\rho_k$ and J before and after the iteration (the rule of
@@ -135,9 +172,12 @@ class MSA(eqx.Module):
 
 
 class MSAState(NamedTuple):
-    """What an MSA run carries from one iteration to the next (checkpointed)."""
+    """What an MSA run carries from one iteration to the next (checkpointed): $\rho$,
+    and with ternary feed-forward kernels the real $M$ they are the projection of
+    (``feedforward_kernels``' layout; None otherwise)."""
 
     rho: Float[Array, ""]
+    latent: Any = None
 
 
 class Sweep(NamedTuple):
@@ -239,11 +279,13 @@ def maximise_hamiltonians(
     states,
     costates,
     rho,
+    held=None,
 ):
     r"""$\theta_n^{k+1}$ for every layer at once: ``method.inner_steps`` projected steps
     of ``method.inner`` on $-\tilde H_n$ from $\theta_n^k$ (``thetas``, leading layer
     axis), vmapped over the layers. ``states`` and ``costates`` hold $u_0..u_L$,
-    $p_0..p_L$.
+    $p_0..p_L$. ``held``: a pytree of bools over ``thetas`` (a prefix of it), True on
+    the controls the steps leave as they are (None: none).
 
     Returns:
         ``(thetas, hamiltonians)``: the new controls, and $H(u_n, p_{n+1}, \theta)$ of
@@ -251,20 +293,31 @@ def maximise_hamiltonians(
     """
 
     def one(theta, u, u_next, p, p_next):
+        fixed = None
+        if held is not None:
+            fixed, theta = eqx.partition(theta, held)
+
         def negative(th):
-            value, h = augmented_hamiltonian(layer, running, th, u, u_next, p, p_next, rho)
+            full = th if fixed is None else eqx.combine(th, fixed)
+            value, h = augmented_hamiltonian(layer, running, full, u, u_next, p, p_next, rho)
             return -value, h
+
+        def projected(th):
+            if fixed is None:
+                return project(th)
+            return eqx.partition(project(eqx.combine(th, fixed)), held)[1]
 
         def step(carry, _):
             th, state = carry
             (_, h), g = jax.value_and_grad(negative, has_aux=True)(th)
             updates, state = method.inner.update(g, state, th)
-            return (project(optax.apply_updates(th, updates)), state), h
+            return (projected(optax.apply_updates(th, updates)), state), h
 
         (new, _), hs = jax.lax.scan(
             step, (theta, method.inner.init(theta)), None, length=method.inner_steps
         )
         _, h_new = negative(new)
+        new = new if fixed is None else eqx.combine(new, fixed)
         return new, jnp.stack([hs[0], h_new])
 
     new, hs = jax.vmap(one)(thetas, states[:-1], states[1:], costates[:-1], costates[1:])
@@ -420,12 +473,23 @@ def msa_iteration(
         batch), ``grad_norm`` ($|\partial J/\partial(\theta, \phi)|$ of the backward
         sweep), ``rho`` (the weight this iteration used), ``hamiltonian`` and
         ``hamiltonian_after`` ($\sum_n H(u_n, p_{n+1}, \cdot)$ at the old and the new
-        controls).
+        controls) and, with ternary kernels, ``ternary_density`` (their fraction of
+        nonzero entries).
 
     Raises:
         IncompatibleError: a combination ``msa_refusals`` refuses.
     """
     check_msa(model, objective)
+    ternary = objective.ternary
+    if ternary is not None:
+        check_ternary(model)
+        if state.latent is None:
+            raise ValueError(
+                "the objective's feed-forward kernels are ternary, but the MSA state holds "
+                "no real kernels M: start it with MSA.init(model, objective)."
+            )
+        # W^k = Q(M^k), whatever kernels the model holds (the real initial ones at k = 0).
+        model = with_feedforward_kernels(model, ternary.project(state.latent))
     transformer = model.transformer
     control = transformer.control
     assert isinstance(control, PiecewiseConstant)  # check_msa
@@ -457,16 +521,38 @@ def msa_iteration(
     swept = sweep(layer, running, initial, terminal, params, control.values)
     grad_phi, grad_theta = swept.grads
     rho = state.rho.astype(swept.states.dtype)
+    start, held, latent = control.values, None, None
+    if ternary is not None:
+        # The discrete MSA step on the kernels (see MSA): dH/dW = -dJ/dW.
+        grad_w = grad_theta.feedforward.weights
+        latent = tuple(
+            method.ternary_memory * m - method.ternary_step * g
+            for m, g in zip(state.latent, grad_w, strict=True)
+        )
+        start = eqx.tree_at(lambda v: v.feedforward.weights, start, ternary.project(latent))
+        held = jtu.tree_map(lambda _: False, start)
+        held = eqx.tree_at(lambda v: v.feedforward.weights, held, tuple(True for _ in grad_w))
     new_thetas, hs = maximise_hamiltonians(
         method,
         layer,
         running,
         constraints.project_layer,
-        control.values,
+        start,
         swept.states,
         swept.costates,
         rho,
+        held,
     )
+    if ternary is not None:  # H at the old controls (the inner steps began at new kernels)
+
+        def old_h(theta, u, u_next, p, p_next):
+            return augmented_hamiltonian(layer, running, theta, u, u_next, p, p_next, rho)[1]
+
+        states, costates = swept.states, swept.costates
+        h_old = jax.vmap(old_h)(
+            control.values, states[:-1], states[1:], costates[:-1], costates[1:]
+        )
+        hs = jnp.stack([h_old, hs[1]])
     updates, _ = method.inner.update(grad_phi, method.inner.init(params), params)
     new_model = _with_controls(net(optax.apply_updates(params, updates)), new_thetas)
     new_model = constraints.project(new_model)
@@ -477,4 +563,9 @@ def msa_iteration(
     metrics.update(loss=swept.loss, loss_after=after, rho=state.rho)
     metrics["grad_norm"] = optax.tree.norm(swept.grads)
     metrics["hamiltonian"], metrics["hamiltonian_after"] = jnp.sum(hs[0]), jnp.sum(hs[1])
-    return new_model, MSAState(rho=method.adapt(state.rho, swept.loss, after)), metrics
+    if latent is not None:
+        kernels = new_thetas.feedforward.weights
+        nonzero = sum(jnp.sum(k != 0) for k in kernels)
+        metrics["ternary_density"] = nonzero / sum(k.size for k in kernels)
+    new_state = MSAState(rho=method.adapt(state.rho, swept.loss, after), latent=latent)
+    return new_model, new_state, metrics

@@ -17,6 +17,7 @@ from ._running import (
     grid_saveat,
     kinetic_energy_of_states,
 )
+from ._ternary import Ternary
 
 
 def cross_entropy(
@@ -119,6 +120,9 @@ class Objective(eqx.Module):
         control_smoothness: $\alpha \ge 0$.
         control_size: $\beta \ge 0$.
         kinetic_energy: $\kappa \ge 0$.
+        ternary: the feed-forward kernels restricted to $\{-a, 0, a\}$
+            (``ocformer.objective.Ternary``): J is that of the ternarised model, and its
+            gradient the straight-through estimator's; None: real kernels.
 
     ``__call__(model, batch)`` returns ``(loss, metrics)`` with metrics ``loss``,
     ``task_loss``, ``accuracy`` and, for each positive weight, ``control_smoothness``,
@@ -128,6 +132,7 @@ class Objective(eqx.Module):
     control_smoothness: float = eqx.field(default=0.0, static=True)
     control_size: float = eqx.field(default=0.0, static=True)
     kinetic_energy: float = eqx.field(default=0.0, static=True)
+    ternary: Ternary | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):
         for name in ("control_smoothness", "control_size", "kinetic_energy"):
@@ -137,10 +142,17 @@ class Objective(eqx.Module):
                     f"Objective.{name} is a running-cost weight and must be a number >= 0, "
                     f"got {value!r}."
                 )
+        if self.ternary is not None and not isinstance(self.ternary, Ternary):
+            raise ValueError(
+                "Objective.ternary must be an ocformer.objective.Ternary or None, got "
+                f"{type(self.ternary).__name__}."
+            )
 
     def __call__(self, model: SequenceModel, batch: dict) -> tuple[Float[Array, ""], dict]:
         inputs, targets = batch["inputs"], jnp.asarray(batch["targets"])
         key_mask = batch.get("key_mask")
+        if self.ternary is not None:
+            model = self.ternary.straight_through(model)
         transformer = model.transformer
         u0 = model.initial_state(inputs)
         u_final, kinetic = _forward(transformer, u0, key_mask, with_kinetic=self.kinetic_energy > 0)

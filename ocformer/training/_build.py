@@ -28,7 +28,7 @@ from ..models import (
     TokenEmbedding,
     with_conv_projections,
 )
-from ..objective import MSA, Constraints, Objective
+from ..objective import MSA, Constraints, Objective, Ternary
 from ..tasks import TASKS, make_task
 from . import _init_from
 from ._errors import WorkdirError
@@ -69,7 +69,7 @@ class Experiment:
     def init_state(self, model):
         """The state the training step carries: the optimiser's, or MSA's."""
         if self.method is not None:
-            return self.method.init()
+            return self.method.init(model, self.objective)
         return self.optimiser.init(eqx.filter(model, eqx.is_inexact_array))
 
 
@@ -332,6 +332,7 @@ def build(config: Config, task=None) -> Experiment:
         control_smoothness=o.control_smoothness,
         control_size=o.control_size,
         kinetic_energy=o.kinetic_energy,
+        ternary=Ternary(o.ternary_sparsity) if o.ternary else None,
     )
     constraints = Constraints(
         sigma_floor=o.sigma_floor, kernel_norm=cast(Any, o.kernel_norm), kernel_bound=o.kernel_bound
@@ -361,4 +362,6 @@ def build_method(config: Config) -> MSA | None:
         inner_steps=t.msa_inner_steps,
         rho=t.msa_rho,
         rho_growth=t.msa_rho_growth,
+        ternary_step=t.msa_ternary_step,
+        ternary_memory=t.msa_ternary_memory,
     )
