@@ -140,7 +140,13 @@ def test_bfloat16_solve_computes_its_products_in_bfloat16(overrides):
     backward = Counter(_loop_dots(jax.make_jaxpr(lambda m: grad(m, batch))(exp.model).jaxpr))
     assert (F32, F32) not in backward, backward
     assert backward[(BF16, BF16)] > 2 * sum(n for k, n in backward.items() if F32 in k), backward
-    (value, _), g = eqx.filter_jit(grad)(exp.model, batch)
+    # The traces above ran under strict promotion. jax lowers the gradient of its
+    # dot_product_attention on bfloat16 (a float32 score cotangent against bfloat16
+    # keys, under the BF16_BF16_F32 dot algorithm it picks) through
+    # dtypes.promote_types, which strict promotion refuses; so this compile runs under
+    # the standard rule.
+    with jax.numpy_dtype_promotion("standard"):
+        (value, _), g = eqx.filter_jit(grad)(exp.model, batch)
     leaves = jax.tree.leaves(eqx.filter(g, eqx.is_inexact_array))
     assert {x.dtype for x in leaves} == {F32}
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in leaves) and np.isfinite(float(value))

@@ -91,9 +91,9 @@ class PiecewiseLinear(AbstractControl):
 
     def _locate(self, t):
         n = self.num_layers
-        pos = (t - self.t0) * (n / (self.t1 - self.t0))
+        pos = jnp.asarray((t - self.t0) * (n / (self.t1 - self.t0)))
         i = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, n - 1)
-        return i, pos - i
+        return i, pos - i.astype(pos.dtype)
 
     def _node(self, i):
         return jtu.tree_map(

@@ -38,6 +38,7 @@ not a constraint set, so there is nothing to project the velocity onto.
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from ..controls._params import NormParams
@@ -56,7 +57,7 @@ def tangent_projection(
     Computed in the promoted dtype of ``u`` and ``v``: a field in the compute dtype
     (bfloat16) at a float32 state is projected, means included, in float32.
     """
-    v = v.astype(jnp.promote_types(u.dtype, v.dtype))
+    v = v.astype(np.promote_types(u.dtype, v.dtype))  # numpy's: also under strict promotion
     n = normalise(u, check=False)
     vc = v - jnp.mean(v, axis=-1, keepdims=True)
     return vc - jnp.mean(vc * n, axis=-1, keepdims=True) * n

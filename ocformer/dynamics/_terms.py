@@ -15,6 +15,7 @@ from typing import Literal, get_args
 import diffrax
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from ..controls._params import LayerParams
@@ -52,6 +53,13 @@ class AbstractSplitTerm(diffrax.AbstractTerm):
         return control * vf
 
 
+def widened(f: Float[Array, "*batch N d"], u: Float[Array, "*batch N d"]):
+    """The field ``f``, computed in the compute dtype, exactly widened to the dtype of
+    the update ``u + dt * f``: the state's when that is wider (a float32 state under a
+    bfloat16 compute dtype), so the update is a sum in the state's dtype."""
+    return f.astype(np.promote_types(u.dtype, f.dtype))  # numpy's: also under strict
+
+
 def _no_vector_field(t, y, msg: str):
     # diffrax evaluates every term's vf under eval_shape to check its output type, so
     # vf must trace; the error fires only if a solver really evaluates it. (The models
@@ -69,16 +77,19 @@ class AbstractExplicitTerm(AbstractSplitTerm):
         (from a state ``u`` that may be wider: see ``DynamicsArgs``)."""
 
     def vf(self, t, y, args: DynamicsArgs):
-        return self.field(args.control(t), y, args)
+        return widened(self.field(args.control(t), y, args), y)
 
     def flow(self, theta, dt, u, args, sub_solver):
-        f = self.field(theta, u, args)
+        def f_at(v):
+            return widened(self.field(theta, v, args), v)
+
+        f = f_at(u)
         if sub_solver == "euler":
             return u + dt * f
         if sub_solver == "midpoint":
-            return u + dt * self.field(theta, u + (0.5 * dt) * f, args)
+            return u + dt * f_at(u + (0.5 * dt) * f)
         # Heun: the trapezoidal predictor-corrector.
-        g = self.field(theta, u + dt * f, args)
+        g = f_at(u + dt * f)
         return u + (0.5 * dt) * (f + g)
 
     def flow_order(self, sub_solver) -> int:
@@ -164,7 +175,8 @@ class AveragedFeedForwardTerm(AbstractSplitTerm):
     def flow(self, theta, dt, u, args, sub_solver):
         del sub_solver  # the paper's own sub-steps, whatever the scheme's sub-solver
         # The chain in the compute dtype, the average (the skip) in the state's.
-        return 0.5 * (self.feedforward.chain(theta.feedforward, args.compute(u), dt) + u)
+        chain = self.feedforward.chain(theta.feedforward, args.compute(u), dt)
+        return 0.5 * (widened(chain, u) + u)
 
     def flow_order(self, sub_solver) -> int:
         # Order 0: not a consistent flow. It does not tend to the identity as dt -> 0
@@ -192,5 +204,5 @@ def sum_fields(terms, theta, u, args) -> Float[Array, "*batch N d"]:
                 f"{type(term).__name__} has no pointwise vector field; the sum of fields "
                 "exists only for smooth formulations."
             )
-        total = total + term.field(theta, u, args)
+        total = total + widened(term.field(theta, u, args), u)
     return total

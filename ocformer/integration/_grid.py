@@ -10,6 +10,7 @@ from diffrax import RESULTS
 from jaxtyping import Array, Bool, Float
 
 from ..controls import AbstractControl
+from ..operators import wide_dtype
 from ..splitting import AbstractSplittingSolver, inner_solver
 
 
@@ -21,7 +22,7 @@ def time_dtype(state_dtype) -> jnp.dtype:
     so on 64 layers x 4 steps a bfloat16 grid puts 31 of the 256 step midpoints on the
     neighbouring layer's controls, and 24 layers x 16 steps is not even increasing.
     """
-    return jnp.promote_types(state_dtype, jnp.float32)
+    return wide_dtype(state_dtype)
 
 
 def check_steps_per_layer(steps_per_layer) -> int:

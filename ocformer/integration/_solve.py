@@ -3,7 +3,7 @@
 import diffrax
 import equinox as eqx
 import jax
-import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool
 
 from ..controls import AbstractControl
@@ -77,7 +77,7 @@ def solve(
         t0=ts[0],
         t1=ts[-1],
         dt0=ts[1] - ts[0] if adaptive else None,
-        y0=u0.astype(jnp.promote_types(u0.dtype, ts.dtype)),
+        y0=u0.astype(np.promote_types(u0.dtype, ts.dtype)),  # numpy's: also under strict
         args=DynamicsArgs(control=control, key_mask=key_mask, compute_dtype=u0.dtype),
         stepsize_controller=controller,
         max_steps=max_steps,

@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 from ..integration import time_grid
 from ..models._sequence import SequenceModel
 from ..models._transformer import ContinuousTransformer
+from ..operators import wide_dtype
 from ._running import (
     control_size,
     control_smoothness,
@@ -34,7 +35,7 @@ def cross_entropy(
             f"logits {logits.shape} and targets {targets.shape} disagree: targets must have "
             "the logits' shape without the last (class) axis."
         )
-    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    logits = logits.astype(wide_dtype(logits.dtype))
     valid = targets >= 0
     safe = jnp.where(valid, targets, 0)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -42,7 +43,8 @@ def cross_entropy(
     weight = valid.astype(logp.dtype)
     count = jnp.maximum(jnp.sum(weight), 1.0)
     loss = -jnp.sum(picked * weight) / count
-    hits = (jnp.argmax(logits, axis=-1) == safe).astype(logp.dtype)
+    guess = jnp.argmax(logits, axis=-1)
+    hits = (guess == safe.astype(guess.dtype)).astype(logp.dtype)
     return loss, jnp.sum(hits * weight) / count
 
 
@@ -97,7 +99,7 @@ class MixedPrecision(eqx.Module):
         loss, metrics = self.objective(in_precision(model, self.compute), batch)
 
         def wide(x):
-            return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+            return x.astype(wide_dtype(x.dtype))
 
         return wide(loss), {k: wide(v) for k, v in metrics.items()}
 

@@ -14,4 +14,8 @@ from ._attention import (
 from ._conv_attention import ConvAttention as ConvAttention, local_transform as local_transform
 from ._feedforward import FeedForward as FeedForward
 from ._grid import Grid as Grid, constant_in_x as constant_in_x
-from ._layernorm import LayerNormProjection as LayerNormProjection, normalise as normalise
+from ._layernorm import (
+    LayerNormProjection as LayerNormProjection,
+    normalise as normalise,
+    wide_dtype as wide_dtype,
+)

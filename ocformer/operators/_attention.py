@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float
 
 from ..controls._params import AttentionParams
 from ._grid import Grid, constant_in_x
+from ._layernorm import wide_dtype
 
 # Dtypes for which the score softmax may run in float32: jax.nn.dot_product_attention
 # always computes it in float32, which would round a float64 model to single precision.
@@ -119,9 +120,18 @@ class Attention(eqx.Module):
         qkv = _transform(u, w, b, 1.0).reshape(-1, n, 3, heads, d // heads)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         mask = None if key_mask is None else key_mask.reshape(-1, 1, 1, n)
-        z = jax.nn.dot_product_attention(
-            q, k, v, mask=mask, is_causal=self.causal, implementation=self._implementation(u, mask)
-        )
+        # q, k and v share one dtype; the library's XLA kernel promotes it with float32
+        # for its scores through jnp.promote_types, which refuses a bfloat16 query under
+        # strict dtype promotion, so its own rule runs under the standard one.
+        with jax.numpy_dtype_promotion("standard"):
+            z = jax.nn.dot_product_attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                is_causal=self.causal,
+                implementation=self._implementation(u, mask),
+            )
         return z.reshape(*batch, n, d)
 
     def _implementation(self, u, mask) -> Literal["cudnn"] | None:
@@ -159,7 +169,7 @@ class Attention(eqx.Module):
             keep = km if keep is None else jnp.logical_and(keep, km)
         # The softmax in float32 or wider: half-precision scores would round the
         # normaliser (jax.nn.dot_product_attention does the same on the fused path).
-        s = s.astype(jnp.promote_types(s.dtype, jnp.float32))
+        s = s.astype(wide_dtype(s.dtype))
         if keep is not None:
             s = jnp.where(keep, s, jnp.finfo(s.dtype).min)
         s = s - jnp.max(s, axis=-1, keepdims=True)

@@ -2,11 +2,22 @@
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from ..controls._params import FeedForwardParams
 from ._activations import Activation, activate, check_activation
 from ._grid import Grid, constant_in_x
+
+
+def _scaled(scale, x):
+    """``scale * x`` in the wider of the two dtypes (a python number is weak: ``x``'s),
+    rounded to ``x``'s: standard promotion's product, its cast made explicit so that it
+    runs under strict dtype promotion too."""
+    wide = (
+        x if isinstance(scale, (int, float)) else x.astype(np.promote_types(scale.dtype, x.dtype))
+    )
+    return (scale * wide).astype(x.dtype)
 
 
 class FeedForward(eqx.Module):
@@ -51,12 +62,12 @@ class FeedForward(eqx.Module):
         if isinstance(dt, float) and dt == 1.0 and self.grid.h_y == 1.0:
             step_w = w
         else:
-            step_w = ((dt * self.grid.h_y) * w).astype(w.dtype)
+            step_w = _scaled(dt * self.grid.h_y, w)
         a = jnp.eye(*w.shape, dtype=w.dtype) + step_w
         z = u @ a
         if b is not None:
             if not (isinstance(dt, float) and dt == 1.0):
-                b = (dt * b).astype(b.dtype)
+                b = _scaled(dt, b)
             z = z + constant_in_x(b, z.ndim)
         return z
 

@@ -2,6 +2,7 @@
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from ..controls._params import NormParams
@@ -25,8 +26,12 @@ def normalise(
 
 def wide_dtype(dtype) -> jnp.dtype:
     """float32 for half-precision ``dtype``, ``dtype`` itself otherwise: where the
-    statistics of a mixed-precision model are computed."""
-    return jnp.promote_types(dtype, jnp.float32)
+    statistics of a mixed-precision model are computed.
+
+    numpy's promotion, which for floating dtypes is jax's standard one and does not
+    depend on ``jax_numpy_dtype_promotion`` (jnp's refuses two different dtypes under
+    ``"strict"``)."""
+    return np.promote_types(dtype, np.float32)
 
 
 def _normalise(v, eps: float, check: bool):
