@@ -146,9 +146,9 @@ class Curve:
         self.passes = self.steps * passes_per_iteration(method, inner_steps)
         self.seconds = np.array([seconds[r["step"]] for r in evals])
         self.val_loss = np.array([float(r["val_loss"]) for r in evals])
-        accuracy = [r.get("val_accuracy") for r in evals]
+        accurate = all(_finite(r.get("val_accuracy")) for r in evals)
         self.val_accuracy = (
-            np.array([float(a) for a in accuracy]) if all(map(_finite, accuracy)) else None
+            np.array([float(r["val_accuracy"]) for r in evals]) if accurate else None
         )
 
     def at(self, axis: str, x: float, metric: str = "val_loss") -> float:
@@ -221,14 +221,14 @@ def tables(models: Sequence[tuple[str, Mapping[str, Sequence[Curve]]]]) -> str:
     ]
     for model, curves in models:
         for method, runs in curves.items():
-            acc = [c.val_accuracy[-1] for c in runs] if runs[0].val_accuracy is not None else None
+            acc = [c.val_accuracy[-1] for c in runs if c.val_accuracy is not None]
             final.append(
                 f"| {model} | {LABELS[method]} | {len(runs)} | {int(runs[0].steps[-1])} "
                 f"| {int(runs[0].passes[-1])} | {_cell([c.seconds[-1] for c in runs], 1)} "
                 f"| {_cell([1e3 * c.seconds[-1] / c.steps[-1] for c in runs], 1)} "
                 f"| {_cell([c.first_window_s for c in runs], 1)} "
                 f"| {_cell([c.val_loss[-1] for c in runs])} "
-                f"| {_cell(acc) if acc is not None else ''} |"
+                f"| {_cell(acc) if len(acc) == len(runs) else ''} |"
             )
     matched = [
         "| model | matched | at | msa val loss | adamw val loss | msa val accuracy "
