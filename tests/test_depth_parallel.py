@@ -1,12 +1,16 @@
-"""Parareal over the layer grid against the serial solve, in float64.
+"""Parareal and two-level MGRIT over the layer grid against the serial solve, in float64.
 
 After K = N iterations (N chunks) parareal is the serial solve to rounding, u(T) and
 gradients; the error against the serial states at the chunk boundaries falls at every
 iteration for a coarse propagator close to the fine one, and the boundaries n <= k are
-exact after k iterations; 1, 2 and 4 forced CPU devices on the mesh's depth axis give
-the same numbers (one subprocess); bad settings exit 2 naming the field.
+exact after k iterations. MGRIT with F-relaxation is parareal to rounding; with
+FCF-relaxation the boundaries n <= 2k are exact after k iterations, so K = N / 2 gives
+the serial u(T), and its error falls faster per iteration than F's. 1, 2 and 4 forced
+CPU devices on the mesh's depth axis give the same numbers (one subprocess); bad
+settings exit 2 naming the field.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -22,7 +26,7 @@ from _devices import xla_flags
 
 from ocformer.config import ConfigError, resolve
 from ocformer.controls import make_control
-from ocformer.integration import Discretisation, Parareal
+from ocformer.integration import MGRIT, Discretisation, Parareal
 from ocformer.models import ContinuousTransformer, IncompatibleError, rediscretise
 from ocformer.splitting import Lie, Strang
 from ocformer.train import main as train_main
@@ -134,6 +138,68 @@ def test_error_falls_every_iteration_and_is_rounding_at_the_last(init_scale, fac
     assert max(settled) < 1e-12 * scale, settled
 
 
+@functools.cache
+def _mgrit_states(init_scale: float, relaxation: str, iterations: int):
+    """MGRIT's iterates on the pre-LN model, 4 chunks of one layer (compiled once)."""
+    method = MGRIT(Lie(), iterations=iterations, chunks=4, relaxation=relaxation)
+    par = rediscretise(_pre_ln(init_scale), depth_parallel=method)
+    u0 = jax.random.normal(jax.random.PRNGKey(1), (2, 5, WIDTH), jnp.float64)
+    key_mask = jnp.ones((2, 5), bool).at[0, 4].set(False)
+    return eqx.filter_jit(par.depth_iterates)(u0, key_mask)
+
+
+def test_mgrit_with_f_relaxation_is_parareal(inputs):
+    serial = _pre_ln(1.0)
+    parareal = Parareal(Lie(), iterations=4, chunks=4)
+    want_states = eqx.filter_jit(rediscretise(serial, depth_parallel=parareal).depth_iterates)(
+        *inputs
+    )
+    got_states = _mgrit_states(1.0, "F", 4)
+    # Every iterate k = 0..4 at every boundary: the FAS residual form rounds differently
+    # from parareal's update, but it is the same iteration.
+    scale = float(jnp.max(jnp.abs(want_states)))
+    assert float(jnp.max(jnp.abs(got_states - want_states))) < 1e-13 * scale
+    assert float(jnp.max(jnp.abs(want_states[1] - want_states[-1]))) > 1e-2  # k matters
+
+
+# The boundary errors max_n |U^k_n - u(T_n)| of parareal (MGRIT-F), printed by the error
+# test above; FCF's must be smaller at every k >= 1.
+def _fcf_and_f_errors(init_scale, inputs):
+    serial = _pre_ln(init_scale)
+    chunks = 4
+    errors = {}
+    for relaxation, iterations in (("F", chunks), ("FCF", chunks // 2)):
+        states = _mgrit_states(init_scale, relaxation, iterations)
+        errors[relaxation] = (
+            _boundary_errors(serial, {"states": states, "inputs": inputs}, chunks),
+            float(jnp.max(jnp.abs(states[-1, -1]))),
+        )
+    return errors
+
+
+@pytest.mark.parametrize("init_scale", [0.3, 1.0])
+def test_fcf_is_exact_after_half_the_iterations_and_falls_faster_than_f(init_scale, inputs):
+    errors = _fcf_and_f_errors(init_scale, inputs)
+    (f_total, _), scale = errors["F"]
+    (fcf_total, fcf_settled), _ = errors["FCF"]
+    print(f"init_scale={init_scale}: boundary error per iteration, F {f_total}, FCF {fcf_total}")
+    assert fcf_total[0] == f_total[0]  # the same coarse guess
+    # FCF: after k iterations the boundaries n <= 2k are the serial ones, so K = N / 2 = 2
+    # is exact and K = 1 is not.
+    assert fcf_total[2] < 1e-12 * scale
+    assert fcf_total[1] > 1e-8
+    assert max(fcf_settled) < 1e-12 * scale  # n <= k, implied by n <= 2k
+    assert fcf_total[1] < f_total[1] and f_total[2] > 1e-8
+
+
+def test_fcf_on_two_chunks_is_exact_after_one_iteration(inputs):
+    serial = _post_ln()
+    method = MGRIT(Lie(), iterations=1, chunks=2, relaxation="FCF")
+    states = eqx.filter_jit(rediscretise(serial, depth_parallel=method).depth_iterates)(*inputs)
+    total, _ = _boundary_errors(serial, {"states": states, "inputs": inputs}, 2)
+    assert total[0] > 1e-2 and total[1] < 1e-12 * float(jnp.max(jnp.abs(states[-1, -1])))
+
+
 _DEVICES = """
 import json, re, sys
 import equinox as eqx, jax, jax.numpy as jnp, numpy as np
@@ -142,19 +208,23 @@ from jax.sharding import Mesh
 jax.config.update("jax_enable_x64", True)
 sys.path.insert(0, sys.argv[1])
 from test_depth_parallel import _loss, _pre_ln
-from ocformer.integration import Parareal
+from ocformer.integration import MGRIT, Parareal
 from ocformer.models import rediscretise
 
 u0 = jax.random.normal(jax.random.PRNGKey(1), (2, 5, 8), jnp.float64)
 key_mask = jnp.ones((2, 5), bool).at[0, 4].set(False)
 out = {"devices": jax.device_count()}
-for count in (1, 2, 4):
+methods = {
+    "parareal": lambda mesh: Parareal(iterations=2, chunks=4, mesh=mesh),
+    "mgrit": lambda mesh: MGRIT(iterations=1, chunks=4, mesh=mesh, relaxation="FCF"),
+}
+for name, count in [(n, c) for n in methods for c in (1, 2, 4)]:
     mesh = Mesh(np.array(jax.devices()[:count]), ("depth",))
-    par = rediscretise(_pre_ln(), depth_parallel=Parareal(iterations=2, chunks=4, mesh=mesh))
+    par = rediscretise(_pre_ln(), depth_parallel=methods[name](mesh))
     compiled = jax.jit(lambda u: par.depth_iterates(u, key_mask)).lower(u0).compile()
     states, hlo = compiled(u0), compiled.as_text()
     grads = eqx.filter_jit(eqx.filter_grad(_loss))(par, u0, key_mask)
-    out[count] = {
+    out[f"{name}/{count}"] = {
         "states": np.asarray(states).ravel().tolist(),
         "grads": np.concatenate(
             [np.asarray(g).ravel() for g in jax.tree.leaves(grads.control)]
@@ -180,15 +250,16 @@ def test_one_two_and_four_depth_devices_give_the_same_numbers():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert out["devices"] == 4
-    one = out["1"]
-    assert one["local"] == [4] and not one["all_gather"]  # one device runs every chunk
-    for count in ("2", "4"):
-        got = out[count]
-        np.testing.assert_allclose(got["states"], one["states"], rtol=0, atol=1e-12)
-        np.testing.assert_allclose(got["grads"], one["grads"], rtol=0, atol=1e-12)
-        # Each device solves only its chunks, and the coarse sweep gathers them.
-        assert got["local"] == [4 // int(count)], got["local"]
-        assert got["all_gather"]
+    for name in ("parareal", "mgrit"):  # mgrit: FCF-relaxation
+        one = out[f"{name}/1"]
+        assert one["local"] == [4] and not one["all_gather"]  # one device runs every chunk
+        for count in ("2", "4"):
+            got = out[f"{name}/{count}"]
+            np.testing.assert_allclose(got["states"], one["states"], rtol=0, atol=1e-12)
+            np.testing.assert_allclose(got["grads"], one["grads"], rtol=0, atol=1e-12)
+            # Each device solves only its chunks, and the coarse sweep gathers them.
+            assert got["local"] == [4 // int(count)], got["local"]
+            assert got["all_gather"]
 
 
 # -- bad input -------------------------------------------------------------------------
@@ -219,6 +290,16 @@ def test_one_two_and_four_depth_devices_give_the_same_numbers():
             "discretisation.chunks",
             "chunks=3 must divide model.num_layers=4",
         ),
+        (
+            ["discretisation.depth_parallel=mgrit", "discretisation.relaxation=CF"],
+            "discretisation.relaxation",
+            "got 'CF'; did you mean 'FCF'? allowed: 'F', 'FCF'",
+        ),
+        (
+            ["discretisation.depth_parallel=parareal", "discretisation.relaxation=FCF"],
+            "discretisation.relaxation",
+            "relaxation='FCF' is a relaxation of two-level MGRIT, but depth_parallel='parareal'",
+        ),
     ],
 )  # fmt: skip
 def test_bad_depth_settings_exit_2_naming_the_field(overrides, field, words, tmp_path, capsys):
@@ -239,3 +320,7 @@ def test_the_library_refuses_alike():
         rediscretise(_post_ln(), depth_parallel=Parareal(diffrax.Tsit5(), chunks=2))
     with pytest.raises(ValueError, match="Parareal.iterations must be an integer >= 1, got 0"):
         Parareal(iterations=0)
+    with pytest.raises(ValueError, match="Use MGRIT\\(relaxation='FCF'\\)"):
+        Parareal(relaxation="FCF")
+    with pytest.raises(ValueError, match="MGRIT.relaxation must be one of 'F', 'FCF', got 'C'"):
+        MGRIT(relaxation="C")  # type: ignore[arg-type]

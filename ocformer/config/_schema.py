@@ -16,7 +16,7 @@ from typing import Any
 
 from ..controls import CONTROL_KINDS, NORM_AFFINES
 from ..dynamics import SUB_SOLVERS
-from ..integration import DEPTH_PARALLEL, GRADIENT_METHODS, STEPSIZES
+from ..integration import DEPTH_PARALLEL, GRADIENT_METHODS, RELAXATIONS, STEPSIZES
 from ..models import FORMULATIONS, NORM_POSITIONS
 from ..objective import KERNEL_NORMS, PRECISIONS, TRAINING_METHODS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
@@ -129,7 +129,7 @@ class DiscretisationConfig:
     )
     depth_parallel: str | None = _field(
         None,
-        "solve the layer grid in parallel chunks (parareal; None: the serial solve)",
+        "solve the layer grid in parallel chunks (parareal, mgrit; None: the serial solve)",
         choices=(None, *DEPTH_PARALLEL),
     )
     coarse_stepper: str = _field(
@@ -141,6 +141,7 @@ class DiscretisationConfig:
         1, "coarse steps over each chunk (divides its layers or is a multiple)", ge=1
     )
     iterations: int = _field(1, "depth-parallel iterations K", ge=1)
+    relaxation: str = _field("F", "relaxation of mgrit: F (parareal) or FCF", choices=RELAXATIONS)
     chunks: int | None = _field(
         None, "chunks of the layer grid, dividing the layers (None: one per layer)", ge=1
     )

@@ -2,10 +2,14 @@
 and the one ``diffeqsolve`` call where terms, time stepper and adjoint meet."""
 
 from ._depth import (
+    COSTATES as COSTATES,
     DEPTH_AXIS as DEPTH_AXIS,
     DEPTH_PARALLEL as DEPTH_PARALLEL,
+    MGRIT as MGRIT,
+    RELAXATIONS as RELAXATIONS,
     AbstractDepthParallel as AbstractDepthParallel,
     Parareal as Parareal,
+    Recursion as Recursion,
     chunk_controls as chunk_controls,
 )
 from ._discretisation import (

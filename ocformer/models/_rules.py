@@ -72,7 +72,9 @@ class Choices:
         scalar_norm: whether the layer-norm controls are the paper's scalar sigma1,
             sigma2 (a set to project onto) rather than per-feature gains.
         num_layers: the number of layers (pieces of the time grid).
-        depth_parallel: the depth-parallel solve's name (``"parareal"``), or None.
+        depth_parallel: the depth-parallel solve's name (``"parareal"``, ``"mgrit"``),
+            or None.
+        relaxation: MGRIT's relaxation, ``"F"`` or ``"FCF"`` (parareal: ``"F"``).
         coarse_stepper, coarse_stepper_kind, coarse_error_estimate: its coarse time
             stepper, described as ``stepper`` is.
         coarse_steps: steps of the coarse grid over each chunk.
@@ -94,6 +96,7 @@ class Choices:
     scalar_norm: bool = False
     num_layers: int = 1
     depth_parallel: str | None = None
+    relaxation: str = "F"
     coarse_stepper: str = "lie"
     coarse_stepper_kind: StepperKind = "splitting"
     coarse_error_estimate: bool = False
@@ -360,6 +363,17 @@ def _depth_needs_piecewise_constant(c: Choices) -> Refusal | None:
     return None
 
 
+def _relaxation_is_mgrit(c: Choices) -> Refusal | None:
+    if c.relaxation != "F" and c.depth_parallel != "mgrit":
+        return Refusal(
+            "discretisation.relaxation",
+            f"relaxation={c.relaxation!r} is a relaxation of two-level MGRIT, but "
+            f"depth_parallel={c.depth_parallel!r} (parareal is MGRIT with F-relaxation); "
+            "set discretisation.depth_parallel=mgrit, or relaxation=F",
+        )
+    return None
+
+
 def _depth_chunks_divide_layers(c: Choices) -> Refusal | None:
     if c.depth_parallel is not None and c.chunks is not None and c.num_layers % c.chunks:
         return Refusal(
@@ -412,6 +426,7 @@ def coarse_choices(c: Choices) -> Choices:
         stepsize="constant",
         gradient="discretise_then_optimise",
         depth_parallel=None,
+        relaxation="F",
     )
 
 
@@ -430,6 +445,7 @@ def _depth_coarse_stepper(c: Choices) -> Refusal | None:
 
 RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
     _depth_needs_piecewise_constant,
+    _relaxation_is_mgrit,
     _depth_chunks_divide_layers,
     _depth_coarse_steps_fit,
     _depth_coarse_stepper,

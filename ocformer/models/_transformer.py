@@ -184,6 +184,7 @@ class ContinuousTransformer(eqx.Module):
                 coarse_error_estimate=coarse["error_estimate"],
                 coarse_steps=d.depth_parallel.coarse_steps,
                 chunks=d.depth_parallel.chunks,
+                relaxation=d.depth_parallel.relaxation,
             )
         return Choices(
             **describe_stepper(d.stepper),

@@ -117,6 +117,7 @@ def build_discretisation(config: Config) -> Discretisation:
             coarse_steps=d.coarse_steps,
             iterations=d.iterations,
             chunks=d.chunks,
+            relaxation=cast(Any, d.relaxation),
         ),
     )
 
