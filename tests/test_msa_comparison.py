@@ -32,23 +32,30 @@ def test_passes_per_iteration_count_the_sweep_inner_steps_and_the_extra_solves()
         report.passes_per_iteration("newton", 1)
 
 
-def _write_sweep(path, model, runs):
-    """A sweep directory holding ``runs``: (method, seed, records) each."""
+def _point(arm, seed):
+    method = "msa" if arm == "msa" else "gradient"
+    return {
+        "name": f"method={arm}_seed={seed}-0",
+        "labels": {"method": arm, "seed": str(seed)},
+        "config": {"train": {"method": method, "msa_inner_steps": 10}},
+    }
+
+
+def _write_sweep(path, model, runs, pending=()):
+    """A sweep directory holding the finished ``runs``, (arm, seed, records) each,
+    and the ``pending`` ones, (arm, seed) each, which have not started."""
     points = []
-    for method, seed, records in runs:
-        name = f"method={method}_seed={seed}-0"
-        run = path / "points" / name / "run"
+    for arm, seed in pending:
+        points.append(_point(arm, seed))
+        (path / "points" / points[-1]["name"] / "run").mkdir(parents=True)
+    for arm, seed, records in runs:
+        points.append(_point(arm, seed))
+        run = path / "points" / points[-1]["name"] / "run"
         run.mkdir(parents=True)
+        (run.parent / report.STATUS_FILE).write_text(json.dumps({"status": "done"}))
         log = MetricsLog(str(run / "metrics.jsonl"))
         for r in records:
             log.append(r)
-        points.append(
-            {
-                "name": name,
-                "labels": {"method": method, "seed": str(seed)},
-                "config": {"train": {"method": method, "msa_inner_steps": 10}},
-            }
-        )
     (path / "sweep.json").write_text(json.dumps({"arg": model, "points": points}))
 
 
@@ -90,10 +97,10 @@ def test_tables_give_mean_and_population_std_over_seeds(tmp_path):
         # at 25 steps/s, its loss falling linearly from 4 to b.
         runs.append(("msa", seed, _records(5, [1.0, 1.0], [a + 1, a], [0.5, 0.6 + seed / 10])))
         adamw = list(np.linspace(4.0, b, 6))
-        runs.append(("gradient", seed, _records(25, [25.0] * 6, adamw, [0.9] * 6)))
+        runs.append(("adamw", seed, _records(25, [25.0] * 6, adamw, [0.9] * 6)))
     _write_sweep(tmp_path, "digits", runs)
     model, curves = report.read_sweep(str(tmp_path))
-    assert model == "digits" and [len(curves[m]) for m in ("msa", "gradient")] == [3, 3]
+    assert model == "digits" and [len(curves[m]) for m in ("msa", "adamw")] == [3, 3]
     assert report.mean_std([1.0, 2.0, 3.0]) == pytest.approx((2.0, math.sqrt(2 / 3)))
     text = report.tables([(model, curves)])
     # Final MSA loss 1, 2, 3: 2 +- 0.816; its accuracy 0.6, 0.7, 0.8; AdamW 0.7 +- 0.163.
@@ -121,11 +128,13 @@ def test_figure_draws_the_seed_means_against_each_axis(tmp_path):
     runs = [
         ("msa", 0, _records(5, [1.0, 1.0], [3.0, 1.0])),
         ("msa", 1, _records(5, [1.0, 0.5], [2.0, 2.0])),
-        ("gradient", 0, _records(25, [25.0] * 2, [2.0, 1.0])),
-        ("gradient", 1, _records(25, [25.0] * 2, [1.0, 1.0])),
+        ("adamw", 0, _records(25, [25.0] * 2, [2.0, 1.0])),
+        ("adamw", 1, _records(25, [25.0] * 2, [1.0, 1.0])),
+        ("adamw-short", 0, _records(5, [25.0] * 2, [2.0, 1.5])),
     ]
-    _write_sweep(tmp_path, "char", runs)
+    _write_sweep(tmp_path, "char", runs, pending=[("msa", 2)])
     models = [report.read_sweep(str(tmp_path))]
+    assert [len(models[0][1][m]) for m in report.ARMS] == [2, 2, 1]
     fig = report.figure(models, str(tmp_path / "f.png"))
     assert os.path.getsize(tmp_path / "f.png") > 0
     iterations, passes, seconds = fig.axes
@@ -136,4 +145,7 @@ def test_figure_draws_the_seed_means_against_each_axis(tmp_path):
     adamw = [line for line in passes.get_lines() if line.get_label().startswith("adamw")][0]
     np.testing.assert_allclose(adamw.get_xdata(), [50, 100])
     np.testing.assert_allclose(adamw.get_ydata(), [1.5, 1.0])
+    short = [line for line in iterations.get_lines() if line.get_label().startswith("adamw-")]
+    np.testing.assert_allclose(short[0].get_xdata(), [5, 10])
+    np.testing.assert_allclose(short[0].get_ydata(), [2.0, 1.5])
     assert iterations.get_xlabel() == "iterations"

@@ -1,7 +1,7 @@
 """E-MSA against AdamW on the digits ViT and a small character model.
 
-Commands (one sweep directory per model; one seed at a time, so that the two methods
-of a seed run one after the other on the same machine load):
+Commands (one sweep directory per model; one seed at a time, so that the arms of a
+seed run one after the other under the same machine load):
 
     for seed in 0 1 2; do for model in digits char; do
         python -m ocformer.sweep experiments/sweeps/msa_vs_adamw.py:$model \
@@ -10,19 +10,21 @@ of a seed run one after the other on the same machine load):
     python experiments/sweeps/msa_vs_adamw.py runs/sweeps/msa_vs_adamw_digits \
         runs/sweeps/msa_vs_adamw_char --figure experiments/figures/msa_vs_adamw.png
 
-``train.method=msa`` with its documented defaults (10 inner Adam steps of 3e-3 per
-iteration, rho = 1, gamma = 2) against ``train.method=gradient`` with the experiment's
-AdamW, seeds 0, 1, 2. The two methods get the same number of forward and backward
-passes (counted by ``passes_per_iteration``): MSA ``MSA_ITERATIONS`` iterations, AdamW
-45 / 2 times as many steps. ``digits`` is experiments/digits_vit.py as it is; ``char``
-is experiments/shakespeare_char.py narrowed to width 64 and feed-forward size 256
-(4 layers, 4 heads, context 64, batch 12), without samples.
+Three arms (the ``method`` axis), seeds 0, 1, 2: ``msa``, ``train.method=msa`` with its
+documented defaults (10 inner Adam steps of 3e-3 per iteration, rho = 1, gamma = 2),
+``MSA_ITERATIONS`` iterations; ``adamw``, ``train.method=gradient`` with the
+experiment's AdamW for as many forward and backward passes (counted by
+``passes_per_iteration``: 45 / 2 times as many steps); ``adamw-short``, the same AdamW
+for as many iterations as MSA, its warmup a tenth of them. ``digits`` is
+experiments/digits_vit.py as it is; ``char`` is experiments/shakespeare_char.py
+narrowed to width 64 and feed-forward size 256 (4 layers, 4 heads, context 64, batch
+12), without samples.
 
-The second command (``report``, this file run as a script) reads every point's
-``metrics.jsonl`` through ``ocformer.training.MetricsLog`` and prints the table of
-experiments/README.md (mean +- std over seeds at the final step, at matched iterations,
-passes and seconds) and draws the figure: validation loss against iterations, passes
-and training seconds, one row per model.
+The second command (this file run as a script) reads every finished point's
+``metrics.jsonl`` through ``ocformer.training.MetricsLog``, prints the tables of
+experiments/README.md (mean +- std over seeds at the end of each run, and MSA against
+``adamw`` at matched iterations, passes and seconds) and draws the figure: validation
+loss against iterations, passes and training seconds, one row per model.
 
 Counting passes. A pass is one forward or one backward evaluation of the layer stack.
 A gradient step is 2 (the forward and the backward of the loss). An E-MSA iteration
@@ -61,7 +63,12 @@ MODEL_OVERRIDES = {
     "char": {"model.width": 64, "model.hidden": 256, "train.sample_tokens": 0},
 }
 SEEDS = (0, 1, 2)
-LABELS = {"msa": "msa", "gradient": "adamw"}
+# The arms of the sweep (its method axis): MSA; AdamW with MSA's passes; AdamW with
+# MSA's iterations, its warmup scaled to a tenth of them (the experiments' 100 warmup
+# steps would outlast the run).
+ARMS = ("msa", "adamw", "adamw-short")
+# A point's status file in its sweep directory (see ocformer.sweeping's layout).
+STATUS_FILE = "sweep_point.json"
 
 
 def passes_per_iteration(method: str, inner_steps: int) -> int:
@@ -85,6 +92,7 @@ def get_sweep(arg: str | None = None) -> Sweep:
     if arg not in EXPERIMENTS:
         raise ValueError(f"unknown argument {arg!r}; msa_vs_adamw.py takes digits or char")
     msa, gradient = MSA_ITERATIONS[arg], gradient_steps(arg)
+    warmup = 100  # both experiments' optimiser.warmup_steps
     return Sweep(
         experiment=EXPERIMENTS[arg],
         overrides={"train.msa_inner_steps": INNER_STEPS, **MODEL_OVERRIDES[arg]},
@@ -92,13 +100,14 @@ def get_sweep(arg: str | None = None) -> Sweep:
             zipped(
                 "method",
                 {
-                    "train.method": ["msa", "gradient"],
-                    "train.steps": [msa, gradient],
-                    "train.eval_every": [MSA_EVAL_EVERY, GRADIENT_EVAL_EVERY],
-                    "train.log_every": [MSA_EVAL_EVERY, GRADIENT_EVAL_EVERY],
-                    "train.checkpoint_every": [msa, gradient],
+                    "train.method": ["msa", "gradient", "gradient"],
+                    "train.steps": [msa, gradient, msa],
+                    "train.eval_every": [MSA_EVAL_EVERY, GRADIENT_EVAL_EVERY, MSA_EVAL_EVERY],
+                    "train.log_every": [MSA_EVAL_EVERY, GRADIENT_EVAL_EVERY, MSA_EVAL_EVERY],
+                    "train.checkpoint_every": [msa, gradient, msa],
+                    "optimiser.warmup_steps": [warmup, warmup, msa // 10],
                 },
-                labels=["msa", "adamw"],
+                labels=list(ARMS),
             )
         ],
         seeds=SEEDS,
@@ -160,23 +169,32 @@ class Curve:
         return float(np.interp(x, xs, ys))
 
 
+def _read(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _finite(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def read_sweep(sweep_dir: str) -> tuple[str, dict[str, list[Curve]]]:
-    """The model (the sweep's argument) and the curves of each method, by seed."""
+    """The model (the sweep's argument) and the curves of each arm (``ARMS``), by
+    seed, of the points the sweep finished (the others are named on stderr and left
+    out)."""
     with open(os.path.join(sweep_dir, "sweep.json"), encoding="utf-8") as f:
         info = json.load(f)
     curves: dict[str, list[Curve]] = {}
     for p in sorted(info["points"], key=lambda p: int(p["labels"]["seed"])):
         train = p["config"]["train"]
-        path = os.path.join(sweep_dir, "points", p["name"], "run", "metrics.jsonl")
-        records = MetricsLog(path).read()
-        if not records:
-            raise ValueError(f"{path}: no metrics; run the sweep first")
+        point = os.path.join(sweep_dir, "points", p["name"])
+        status = os.path.join(point, STATUS_FILE)
+        if not os.path.isfile(status) or _read(status).get("status") != "done":
+            print(f"{point}: not finished, left out", file=sys.stderr)
+            continue
+        records = MetricsLog(os.path.join(point, "run", "metrics.jsonl")).read()
         curve = Curve(train["method"], train["msa_inner_steps"], records)
-        curves.setdefault(train["method"], []).append(curve)
+        curves.setdefault(p["labels"]["method"], []).append(curve)
     return info["arg"], curves
 
 
@@ -199,7 +217,7 @@ def comparisons(curves: Mapping[str, Sequence[Curve]]) -> list[tuple[str, str, f
     the passes of MSA iterations 10, 30 and its last; matched seconds at half and all
     of the shortest run's training seconds. The seeds of a method share their
     evaluated steps."""
-    msa, gradient = curves["msa"], curves["gradient"]
+    msa, gradient = curves["msa"], curves["adamw"]
     common = set(msa[0].steps) & set(gradient[0].steps)
     out = [("iterations", "steps", float(max(common)))] if common else []
     last = float(msa[0].steps[-1])
@@ -220,10 +238,10 @@ def tables(models: Sequence[tuple[str, Mapping[str, Sequence[Curve]]]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model, curves in models:
-        for method, runs in curves.items():
+        for arm, runs in curves.items():
             acc = [c.val_accuracy[-1] for c in runs if c.val_accuracy is not None]
             final.append(
-                f"| {model} | {LABELS[method]} | {len(runs)} | {int(runs[0].steps[-1])} "
+                f"| {model} | {arm} | {len(runs)} | {int(runs[0].steps[-1])} "
                 f"| {int(runs[0].passes[-1])} | {_cell([c.seconds[-1] for c in runs], 1)} "
                 f"| {_cell([1e3 * c.seconds[-1] / c.steps[-1] for c in runs], 1)} "
                 f"| {_cell([c.first_window_s for c in runs], 1)} "
@@ -239,8 +257,8 @@ def tables(models: Sequence[tuple[str, Mapping[str, Sequence[Curve]]]]) -> str:
         for what, axis, x in comparisons(curves):
             cells = []
             for metric in ("val_loss", "val_accuracy"):
-                for method in ("msa", "gradient"):
-                    runs = curves[method]
+                for arm in ("msa", "adamw"):
+                    runs = curves[arm]
                     if getattr(runs[0], metric) is None:
                         cells.append("")
                     else:
@@ -252,7 +270,11 @@ def tables(models: Sequence[tuple[str, Mapping[str, Sequence[Curve]]]]) -> str:
 
 AXES = (("steps", "iterations"), ("passes", "forward + backward passes"),
         ("seconds", "training seconds"))  # fmt: skip
-COLOURS = {"msa": "tab:red", "gradient": "tab:blue"}
+STYLES = {
+    "msa": {"color": "tab:red"},
+    "adamw": {"color": "tab:blue"},
+    "adamw-short": {"color": "tab:green", "linestyle": "--"},
+}
 
 
 def figure(models: Sequence[tuple[str, Mapping[str, Sequence[Curve]]]], path: str):
@@ -270,13 +292,13 @@ def figure(models: Sequence[tuple[str, Mapping[str, Sequence[Curve]]]], path: st
                              squeeze=False)  # fmt: skip
     for row, (model, curves) in zip(axes, models):
         for ax, (axis, label) in zip(row, AXES):
-            for method, runs in curves.items():
+            for arm, runs in curves.items():
                 x = np.mean([getattr(c, axis) for c in runs], axis=0)
                 losses = np.array([c.val_loss for c in runs])
                 mean, std = losses.mean(axis=0), losses.std(axis=0)
-                ax.plot(x, mean, color=COLOURS[method], marker=".",
-                        label=f"{LABELS[method]} ({len(runs)} seeds)")  # fmt: skip
-                ax.fill_between(x, mean - std, mean + std, color=COLOURS[method], alpha=0.25)
+                ax.plot(x, mean, marker=".", label=f"{arm} ({len(runs)} seeds)", **STYLES[arm])
+                colour = STYLES[arm]["color"]
+                ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.2)
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel(label)
