@@ -296,11 +296,13 @@ def figure(models: Sequence[tuple[str, Mapping[str, Sequence[Curve]]]], path: st
                 x = np.mean([getattr(c, axis) for c in runs], axis=0)
                 losses = np.array([c.val_loss for c in runs])
                 mean, std = losses.mean(axis=0), losses.std(axis=0)
-                ax.plot(x, mean, marker=".", label=f"{arm} ({len(runs)} seeds)", **STYLES[arm])
+                ax.plot(x, mean, marker=".", label=f"{arm} (n = {len(runs)})", **STYLES[arm])
                 colour = STYLES[arm]["color"]
                 ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.2)
             ax.set_xscale("log")
-            ax.set_yscale("log")
+            losses = [c.val_loss for runs in curves.values() for c in runs]
+            if max(map(max, losses)) > 10 * min(map(min, losses)):
+                ax.set_yscale("log")
             ax.set_xlabel(label)
             ax.set_ylabel(f"{model}: validation loss")
             ax.grid(True, which="both", alpha=0.3)
