@@ -187,13 +187,17 @@ def flax_reference(
     if key_mask is not None:
         keys = nn.make_attention_mask(jnp.ones(x.shape[:-1], bool), jnp.asarray(key_mask))
         mask = nn.combine_masks(mask, keys)
-    # One compiled block for the whole stack (every layer has the same shapes).
-    apply = jax.jit(block.apply)
-    for layer in layers:
-        x = apply(flax_variables(layer, heads), x, mask)
-    if final_norm is not None:
-        ln = nn.LayerNorm(epsilon=eps, use_fast_variance=False, param_dtype=dtype)
-        x = ln.apply({"params": final_norm}, x)
+    # One compiled block for the whole stack (every layer has the same shapes). flax's
+    # LayerNorm picks its statistics' dtype by jnp.promote_types(dtype, float32), which
+    # strict promotion refuses for a float64 block whose every input is float64; the
+    # reference runs under the standard rule.
+    with jax.numpy_dtype_promotion("standard"):
+        apply = jax.jit(block.apply)
+        for layer in layers:
+            x = apply(flax_variables(layer, heads), x, mask)
+        if final_norm is not None:
+            ln = nn.LayerNorm(epsilon=eps, use_fast_variance=False, param_dtype=dtype)
+            x = ln.apply({"params": final_norm}, x)
     return np.asarray(x)
 
 

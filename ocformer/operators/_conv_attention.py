@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float
 
 from ..controls._conv import ConvAttentionParams
 from ._grid import Grid, constant_in_x
+from ._layernorm import wide_dtype
 
 
 def local_transform(
@@ -121,7 +122,7 @@ class ConvAttention(eqx.Module):
         v = project(p.kv, p.wv, p.bv)
         scale = h_y / math.sqrt(dh * h_y)
         s = jnp.einsum("...qc,...kc->...qk", q * scale, k)
-        s = s.astype(jnp.promote_types(s.dtype, jnp.float32))  # the softmax in >= float32
+        s = s.astype(wide_dtype(s.dtype))  # the softmax in >= float32
         if key_mask is not None:
             if key_mask.shape != (*batch, n):
                 raise ValueError(f"key_mask has shape {key_mask.shape}, expected {(*batch, n)}.")

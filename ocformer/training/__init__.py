@@ -21,7 +21,11 @@ from ._load_run import load_run as load_run
 from ._lock import LOCK_FILE as LOCK_FILE, DirectoryLock as DirectoryLock
 from ._loop import train as train
 from ._metrics import MetricsLog as MetricsLog
-from ._optimiser import make_optimiser as make_optimiser, make_schedule as make_schedule
+from ._optimiser import (
+    make_optimiser as make_optimiser,
+    make_schedule as make_schedule,
+    under_standard_promotion as under_standard_promotion,
+)
 from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
 from ._step import (
     make_eval_step as make_eval_step,

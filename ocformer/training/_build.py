@@ -32,7 +32,7 @@ from ..objective import MSA, Constraints, Objective, Ternary
 from ..tasks import TASKS, make_task
 from . import _init_from
 from ._errors import WorkdirError
-from ._optimiser import make_optimiser
+from ._optimiser import make_optimiser, under_standard_promotion
 from ._rundir import RUN_MARKER
 
 
@@ -349,7 +349,7 @@ def build(config: Config, task=None) -> Experiment:
 def _inner_optimiser(name: str, learning_rate: float) -> optax.GradientTransformation:
     # Cached, so that equal configurations share one MSA value and its compiled step.
     if name == "adam":
-        return optax.adam(learning_rate)
+        return under_standard_promotion(optax.adam(learning_rate))
     return optax.sgd(learning_rate)
 
 

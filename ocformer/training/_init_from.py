@@ -29,6 +29,7 @@ from ..models import (
     Pooler,
     Readout,
     SequenceModel,
+    TiedReadout,
     TokenEmbedding,
     reformulate,
 )
@@ -200,7 +201,10 @@ def check_task(config: Config, task, model: SequenceModel, source: Source) -> No
 
 def _readout_size(model: SequenceModel) -> int:
     if model.tied:
-        return int(model.readout(jnp.zeros((1, 1, model.transformer.width))).shape[-1])
+        readout = model.readout
+        assert isinstance(readout, TiedReadout)
+        u = jnp.zeros((1, 1, model.transformer.width), readout.tokens.dtype)
+        return int(readout(u).shape[-1])
     if isinstance(model.head, (Readout, Pooler)):
         return int(model.head.weight.shape[-1])
     return 0

@@ -125,6 +125,23 @@ def learning_rate_of(opt_state) -> float:
     return float(np.asarray(schedule_value(s, s.count)))
 
 
+def under_standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` with its update traced under jax's standard dtype promotion, whatever the
+    process sets.
+
+    optax's Adam bias correction raises its python-float decay to the int32 step count
+    (``b1 ** count``), which strict promotion (``jax_numpy_dtype_promotion="strict"``,
+    as the test suite runs) refuses for any dtypes of parameters and gradients. The
+    update is the same under the standard rule.
+    """
+
+    def update(updates, state, params=None):
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.update(updates, state, params)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 @functools.cache
 def _update_rule(name: str, b1: float, b2: float, weight_decay: float, momentum: float, clip):
     # Cached on what shapes the compiled update, so that two runs of one rule share the
@@ -137,7 +154,7 @@ def _update_rule(name: str, b1: float, b2: float, weight_decay: float, momentum:
         rule = optax.sgd(1.0, momentum=momentum or None)
     # optax scales by -1.0 (exactly), the schedule then by the rate: -lr * u.
     parts = [] if clip is None else [optax.clip_by_global_norm(clip)]
-    return optax.chain(*parts, rule, scale_by_schedule_in_state())
+    return optax.chain(*parts, under_standard_promotion(rule), scale_by_schedule_in_state())
 
 
 def make_optimiser(
