@@ -5,8 +5,10 @@ gradients; the error against the serial states at the chunk boundaries falls at 
 iteration for a coarse propagator close to the fine one, and the boundaries n <= k are
 exact after k iterations. MGRIT with F-relaxation is parareal to rounding; with
 FCF-relaxation the boundaries n <= 2k are exact after k iterations, so K = N / 2 gives
-the serial u(T), and its error falls faster per iteration than F's. 1, 2 and 4 forced
-CPU devices on the mesh's depth axis give the same numbers (one subprocess); bad
+the serial u(T), and its error falls faster per iteration than F's. With the costate
+solved by the same iteration (costate="parallel"), the gradient is the serial one after
+as many iterations as make the forward solve exact, and differs before. 1, 2 and 4
+forced CPU devices on the mesh's depth axis give the same numbers (one subprocess); bad
 settings exit 2 naming the field.
 """
 
@@ -200,6 +202,51 @@ def test_fcf_on_two_chunks_is_exact_after_one_iteration(inputs):
     assert total[0] > 1e-2 and total[1] < 1e-12 * float(jnp.max(jnp.abs(states[-1, -1])))
 
 
+@eqx.filter_jit
+def _grads(model, u0, key_mask):
+    """The loss's gradient with respect to the controls and u0, flattened."""
+    g_model, g_u0 = eqx.filter_grad(lambda mu: _loss(mu[0], mu[1], key_mask))((model, u0))
+    return jnp.concatenate([x.ravel() for x in [*jax.tree.leaves(g_model.control), g_u0]])
+
+
+def _relative(got, want) -> float:
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+def test_parallel_costate_gives_the_serial_gradient_once_exact(inputs):
+    serial = _post_ln()  # 2 chunks of two layers
+    want = _grads(serial, *inputs)
+    errors = {}
+    for method, iterations in (("parareal", 1), ("parareal", 2), ("mgrit", 1)):
+        solve = (Parareal if method == "parareal" else functools.partial(MGRIT, relaxation="FCF"))(
+            Lie(), iterations=iterations, chunks=2, costate="parallel"
+        )
+        errors[method, iterations] = _relative(
+            _grads(rediscretise(serial, depth_parallel=solve), *inputs), want
+        )
+    print("gradient's relative error, post-LN, 2 chunks:", errors)
+    assert errors["parareal", 2] < 1e-12  # K = N
+    assert errors["mgrit", 1] < 1e-12  # FCF: K = N / 2
+    assert errors["parareal", 1] > 1e-6  # K < N: an approximation
+
+
+@pytest.mark.slow
+def test_parallel_costate_error_per_iteration_against_reverse_mode(inputs):
+    serial = _pre_ln(0.3)  # 4 chunks of one layer
+    want = _grads(serial, *inputs)
+    table = {}
+    for costate in ("parallel", "reverse"):
+        for k in range(1, 5):
+            solve = Parareal(Lie(), iterations=k, chunks=4, costate=costate)
+            got = _grads(rediscretise(serial, depth_parallel=solve), *inputs)
+            table[costate, k] = _relative(got, want)
+    print("gradient's relative error per iteration K:", table)
+    for costate in ("parallel", "reverse"):
+        errors = [table[costate, k] for k in range(1, 5)]
+        assert all(b < a / 10 for a, b in zip(errors, errors[1:])), (costate, errors)
+        assert errors[-1] < 1e-12 and errors[-2] > 1e-12
+
+
 _DEVICES = """
 import json, re, sys
 import equinox as eqx, jax, jax.numpy as jnp, numpy as np
@@ -217,18 +264,21 @@ out = {"devices": jax.device_count()}
 methods = {
     "parareal": lambda mesh: Parareal(iterations=2, chunks=4, mesh=mesh),
     "mgrit": lambda mesh: MGRIT(iterations=1, chunks=4, mesh=mesh, relaxation="FCF"),
+    "costate": lambda mesh: Parareal(iterations=2, chunks=4, mesh=mesh, costate="parallel"),
 }
 for name, count in [(n, c) for n in methods for c in (1, 2, 4)]:
     mesh = Mesh(np.array(jax.devices()[:count]), ("depth",))
     par = rediscretise(_pre_ln(), depth_parallel=methods[name](mesh))
+    grads = eqx.filter_jit(eqx.filter_grad(_loss))(par, u0, key_mask)
+    grads = np.concatenate([np.asarray(g).ravel() for g in jax.tree.leaves(grads.control)])
+    if name == "costate":  # its forward solve is parareal's
+        out[f"{name}/{count}"] = {"grads": grads.tolist()}
+        continue
     compiled = jax.jit(lambda u: par.depth_iterates(u, key_mask)).lower(u0).compile()
     states, hlo = compiled(u0), compiled.as_text()
-    grads = eqx.filter_jit(eqx.filter_grad(_loss))(par, u0, key_mask)
     out[f"{name}/{count}"] = {
         "states": np.asarray(states).ravel().tolist(),
-        "grads": np.concatenate(
-            [np.asarray(g).ravel() for g in jax.tree.leaves(grads.control)]
-        ).tolist(),
+        "grads": grads.tolist(),
         # The chunk axis of the fine solves' saved states (chunks, 1 save, *u0.shape):
         # a device's share, 4 / count chunks.
         "local": sorted(
@@ -245,11 +295,17 @@ def test_one_two_and_four_depth_devices_give_the_same_numbers():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4), PYTHONPATH=ROOT)
     proc = subprocess.run(
         [sys.executable, "-c", _DEVICES, os.path.dirname(os.path.abspath(__file__))],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert out["devices"] == 4
+    # The costate solved by parareal: the same gradients on 1, 2 and 4 devices.
+    for count in ("2", "4"):
+        np.testing.assert_allclose(
+            out[f"costate/{count}"]["grads"], out["costate/1"]["grads"], rtol=0, atol=1e-12
+        )
+    assert out["costate/1"]["grads"] != out["parareal/1"]["grads"]  # another gradient (K < N)
     for name in ("parareal", "mgrit"):  # mgrit: FCF-relaxation
         one = out[f"{name}/1"]
         assert one["local"] == [4] and not one["all_gather"]  # one device runs every chunk
@@ -296,6 +352,16 @@ def test_one_two_and_four_depth_devices_give_the_same_numbers():
             "got 'CF'; did you mean 'FCF'? allowed: 'F', 'FCF'",
         ),
         (
+            ["discretisation.depth_parallel=mgrit", "discretisation.depth_costate=forward"],
+            "discretisation.depth_costate",
+            "got 'forward'; allowed: 'reverse', 'parallel'",
+        ),
+        (
+            ["discretisation.depth_costate=parallel"],
+            "discretisation.depth_costate",
+            "depth_costate='parallel' solves the costate of a depth-parallel solve, but",
+        ),
+        (
             ["discretisation.depth_parallel=parareal", "discretisation.relaxation=FCF"],
             "discretisation.relaxation",
             "relaxation='FCF' is a relaxation of two-level MGRIT, but depth_parallel='parareal'",
@@ -324,3 +390,5 @@ def test_the_library_refuses_alike():
         Parareal(relaxation="FCF")
     with pytest.raises(ValueError, match="MGRIT.relaxation must be one of 'F', 'FCF', got 'C'"):
         MGRIT(relaxation="C")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="MGRIT.costate must be one of 'reverse', 'parallel'"):
+        MGRIT(costate="forward")  # type: ignore[arg-type]

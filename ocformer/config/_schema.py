@@ -16,7 +16,7 @@ from typing import Any
 
 from ..controls import CONTROL_KINDS, NORM_AFFINES
 from ..dynamics import SUB_SOLVERS
-from ..integration import DEPTH_PARALLEL, GRADIENT_METHODS, RELAXATIONS, STEPSIZES
+from ..integration import COSTATES, DEPTH_PARALLEL, GRADIENT_METHODS, RELAXATIONS, STEPSIZES
 from ..models import FORMULATIONS, NORM_POSITIONS
 from ..objective import KERNEL_NORMS, PRECISIONS, TRAINING_METHODS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
@@ -142,6 +142,12 @@ class DiscretisationConfig:
     )
     iterations: int = _field(1, "depth-parallel iterations K", ge=1)
     relaxation: str = _field("F", "relaxation of mgrit: F (parareal) or FCF", choices=RELAXATIONS)
+    depth_costate: str = _field(
+        "reverse",
+        "gradient of the depth-parallel solve: reverse mode through its iterations, or "
+        "the costate solved by the same iteration (parallel)",
+        choices=COSTATES,
+    )
     chunks: int | None = _field(
         None, "chunks of the layer grid, dividing the layers (None: one per layer)", ge=1
     )

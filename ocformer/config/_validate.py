@@ -152,6 +152,7 @@ def choices(c: Config) -> Choices:
             **describe_stepper(stepper_object(d.stepper, sub_solver)),
             depth_parallel=d.depth_parallel,
             relaxation=d.relaxation,
+            depth_costate=d.depth_costate,
             coarse_stepper=coarse["stepper"],
             coarse_stepper_kind=coarse["stepper_kind"],
             coarse_error_estimate=coarse["error_estimate"],

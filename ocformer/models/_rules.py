@@ -75,6 +75,7 @@ class Choices:
         depth_parallel: the depth-parallel solve's name (``"parareal"``, ``"mgrit"``),
             or None.
         relaxation: MGRIT's relaxation, ``"F"`` or ``"FCF"`` (parareal: ``"F"``).
+        depth_costate: how its gradient is found, ``"reverse"`` or ``"parallel"``.
         coarse_stepper, coarse_stepper_kind, coarse_error_estimate: its coarse time
             stepper, described as ``stepper`` is.
         coarse_steps: steps of the coarse grid over each chunk.
@@ -97,6 +98,7 @@ class Choices:
     num_layers: int = 1
     depth_parallel: str | None = None
     relaxation: str = "F"
+    depth_costate: str = "reverse"
     coarse_stepper: str = "lie"
     coarse_stepper_kind: StepperKind = "splitting"
     coarse_error_estimate: bool = False
@@ -374,6 +376,17 @@ def _relaxation_is_mgrit(c: Choices) -> Refusal | None:
     return None
 
 
+def _depth_costate_needs_depth_parallel(c: Choices) -> Refusal | None:
+    if c.depth_costate != "reverse" and c.depth_parallel is None:
+        return Refusal(
+            "discretisation.depth_costate",
+            f"depth_costate={c.depth_costate!r} solves the costate of a depth-parallel "
+            "solve, but depth_parallel is none; set discretisation.depth_parallel="
+            "parareal or mgrit, or depth_costate=reverse",
+        )
+    return None
+
+
 def _depth_chunks_divide_layers(c: Choices) -> Refusal | None:
     if c.depth_parallel is not None and c.chunks is not None and c.num_layers % c.chunks:
         return Refusal(
@@ -427,6 +440,7 @@ def coarse_choices(c: Choices) -> Choices:
         gradient="discretise_then_optimise",
         depth_parallel=None,
         relaxation="F",
+        depth_costate="reverse",
     )
 
 
@@ -446,6 +460,7 @@ def _depth_coarse_stepper(c: Choices) -> Refusal | None:
 RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
     _depth_needs_piecewise_constant,
     _relaxation_is_mgrit,
+    _depth_costate_needs_depth_parallel,
     _depth_chunks_divide_layers,
     _depth_coarse_steps_fit,
     _depth_coarse_stepper,

@@ -185,6 +185,7 @@ class ContinuousTransformer(eqx.Module):
                 coarse_steps=d.depth_parallel.coarse_steps,
                 chunks=d.depth_parallel.chunks,
                 relaxation=d.depth_parallel.relaxation,
+                depth_costate=d.depth_parallel.costate,
             )
         return Choices(
             **describe_stepper(d.stepper),

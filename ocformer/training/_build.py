@@ -118,6 +118,7 @@ def build_discretisation(config: Config) -> Discretisation:
             iterations=d.iterations,
             chunks=d.chunks,
             relaxation=cast(Any, d.relaxation),
+            costate=cast(Any, d.depth_costate),
         ),
     )
 
