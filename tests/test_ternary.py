@@ -135,3 +135,34 @@ def test_discrete_msa_lowers_j_and_keeps_the_kernels_ternary():
         for w, w0 in zip(feedforward_kernels(model), start, strict=True)
     )
     assert flipped > 0  # the maximisation moved entries between -a, 0 and a
+
+
+@pytest.mark.slow
+def test_a_ternary_msa_run_resumes_from_its_checkpoint(tmp_path):
+    """``train.method=msa`` with ``objective.ternary=true`` through the command line: the
+    checkpoint of step 2 holds the real kernels M, and the run resumed from it continues
+    at step 3 with the same J as an uninterrupted run (the same batches, the same M)."""
+    import json
+    import os
+
+    from ocformer import train as cli
+
+    smoke = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", "smoke.py")
+    sets = ["train.method=msa", "objective.ternary=true", "train.msa_inner_steps=2",
+            "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false"]  # fmt: skip
+
+    def run(workdir, steps, *extra):
+        argv = ["--config", smoke, "--workdir", str(workdir), "--set", f"train.steps={steps}"]
+        for s in sets:
+            argv += ["--set", s]
+        argv += list(extra)
+        assert cli.main(argv) == 0
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return {r["step"]: r for r in map(json.loads, f) if "loss_after" in r}
+
+    run(tmp_path / "resumed", 2)
+    resumed = run(tmp_path / "resumed", 3, "--allow-config-change")
+    straight = run(tmp_path / "straight", 3)
+    assert sorted(straight) == [1, 2, 3]
+    assert 0 < resumed[3]["ternary_density"] < 1
+    assert abs(resumed[3]["loss"] - straight[3]["loss"]) < 1e-6
