@@ -39,7 +39,7 @@ training step, so it is counted at the rate of the second window, and its measur
 length is reported apart.
 
 Measured (commit 5d2f6f7, 2 CPU cores shared with other work at load average 7-10,
-32 min for the 27 runs; mean +- std over the 3 seeds): digits, validation loss 0.311 +-
+32 min for the 18 runs; mean +- std over the 3 seeds): digits, validation loss 0.311 +-
 0.105 (accuracy 0.926) for msa after 50 iterations, 0.406 +- 0.067 for adamw-short
 after 50 steps, 0.061 +- 0.033 for adamw after the same 2250 passes; character model,
 3.267 +- 0.019 for msa after 30 iterations, 3.202 +- 0.027 for adamw-short, 2.384 +-
