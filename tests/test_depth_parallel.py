@@ -318,6 +318,75 @@ def test_one_two_and_four_depth_devices_give_the_same_numbers():
             assert got["all_gather"]
 
 
+_TRAINING = """
+import json, os, sys, tempfile
+import equinox as eqx, jax
+
+jax.config.update("jax_enable_x64", True)
+from ocformer.config import resolve
+from ocformer.distributed import Layout
+from ocformer.training import build, make_train_step, train
+
+spec, base = sys.argv[1], sys.argv[2:]
+out = {"devices": jax.device_count()}
+for data, depth in [(1, 1), (1, 4), (2, 2)]:
+    config = resolve(spec, [*base, f"mesh.data={data}", f"mesh.depth={depth}"])
+    with tempfile.TemporaryDirectory() as w:
+        train(config, w)
+        with open(os.path.join(w, "metrics.jsonl")) as f:
+            losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+    layout = Layout(config)
+    exp = build(config, mesh=layout.mesh)
+    method = exp.model.transformer.discretisation.depth_parallel
+    state = layout.put_state(
+        exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array)), exp.model
+    )
+    model = layout.put_model(exp.model)
+    step = layout.compile_train_step(
+        make_train_step(exp.objective, exp.constraints, exp.optimiser, skip_nonfinite=False),
+        model, state,
+    )
+    batch = layout.put_batch(exp.task.batch("train", 0, config.task.batch_size, 0))
+    hlo = step.lower(model, state, batch).compile().as_text()
+    out[f"{data}x{depth}"] = {
+        "losses": losses,
+        "mesh_depth": None if method.mesh is None else int(method.mesh.shape["depth"]),
+        "all_gather": "all-gather" in hlo,
+    }
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_training_with_mesh_depth_splits_the_chunks_and_keeps_the_losses():
+    """A few float64 training steps of the smoke model (4 layers, parareal on 4 chunks)
+    on 4 forced CPU devices: mesh.depth = 4 and data x depth = 2 x 2 give the losses
+    of mesh.depth = 1, the built model's solve has the mesh, and the compiled step
+    gathers over the depth devices."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4), PYTHONPATH=ROOT)
+    overrides = [
+        "model.num_layers=4", "discretisation.depth_parallel=parareal",
+        "discretisation.chunks=4", "discretisation.iterations=2", "train.steps=3",
+        "train.eval_every=3", "train.checkpoint_every=3", "train.progress=false",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRAINING, f"{SMOKE}:float64", *overrides],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["devices"] == 4
+    one = out["1x1"]
+    assert len(one["losses"]) == 3 and one["mesh_depth"] is None and not one["all_gather"]
+    for mesh, depth in (("1x4", 4), ("2x2", 2)):
+        got = out[mesh]
+        np.testing.assert_allclose(got["losses"], one["losses"], rtol=1e-12, atol=0)
+        assert got["mesh_depth"] == depth
+    # On the 1 x 1 x 4 mesh only the depth axis can split anything: the step gathers the
+    # chunks' end states over it for the serial coarse sweep.
+    assert out["1x4"]["all_gather"]
+
+
 # -- bad input -------------------------------------------------------------------------
 
 

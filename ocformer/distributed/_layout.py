@@ -1,4 +1,5 @@
-r"""Where the arrays of a run live: a device mesh of ``data`` x ``model`` devices.
+r"""Where the arrays of a run live: a device mesh of ``data`` x ``model`` x ``depth``
+devices.
 
 The batch is split over ``data`` (each device takes an equal slice of the rows); the
 controls are copied over ``data`` and, when ``model > 1``, split over ``model`` the way
@@ -7,8 +8,12 @@ output columns, i.e. by heads, $W^O$ by input rows; the first feed-forward kerne
 hidden columns and the last by hidden rows. The optimiser state follows the controls.
 The compiled step is a ``jax.jit`` with these input and output shardings; XLA inserts
 the collectives (an all-reduce of the gradients over ``data``, and of the partial
-attention and feed-forward outputs over ``model``). The arithmetic is the one-device
-step's, so the losses agree with one device up to the order of floating-point sums.
+attention and feed-forward outputs over ``model``). With ``depth > 1`` the chunks of
+a depth-parallel solve (``discretisation.depth_parallel``) are split over ``depth``:
+the built model's solve is given the mesh (``ocformer.training.build(config, mesh)``),
+and each depth device runs the fine solves of its chunks. The arithmetic is the
+one-device step's, so the losses agree with one device up to the order of
+floating-point sums.
 """
 
 import equinox as eqx
@@ -20,7 +25,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ..config import Config, ConfigError
 
-AXES: tuple[str, str] = ("data", "model")
+AXES: tuple[str, str, str] = ("data", "model", "depth")
 # The leaves split over `model`, by the name of the field that holds them: the axis
 # (counted from the end) that carries heads or hidden units.
 _COLUMNS = frozenset({"wq", "wk", "wv", "bq", "bk", "bv"})
@@ -31,39 +36,45 @@ class MeshError(ConfigError):
     ``field`` is the config field to change."""
 
 
-def mesh_shape(config: Config, num_devices: int) -> tuple[int, int]:
-    """``(data, model)`` of ``config.mesh`` on ``num_devices`` devices, ``-1`` resolved.
+def mesh_shape(config: Config, num_devices: int) -> tuple[int, int, int]:
+    """``(data, model, depth)`` of ``config.mesh`` on ``num_devices`` devices, ``-1``
+    resolved (the devices a ``-1`` takes are those the other two leave).
 
     Raises:
         MeshError: more devices asked for than there are, a ``-1`` that leaves no whole
             number of devices, or a resolved ``data`` that does not divide the batch.
     """
-    data, model = config.mesh.data, config.mesh.model
+    data, model, depth = config.mesh.data, config.mesh.model, config.mesh.depth
     for name, fixed, other in (("mesh.data", data, model), ("mesh.model", model, data)):
-        if other == -1 and fixed > num_devices:
+        if other == -1 and fixed * depth > num_devices:
             raise MeshError(
                 name, f"{name}={fixed} needs more devices than the {num_devices} there are"
             )
     if data == -1:
-        if num_devices % model:
+        if num_devices % (model * depth):
             raise MeshError(
                 "mesh.model",
-                f"mesh.model={model} does not divide the {num_devices} devices, so "
-                "mesh.data=-1 has no whole number of them; give mesh.data explicitly",
+                f"mesh.model={model}{_times_depth(depth)} does not divide the {num_devices} "
+                "devices, so mesh.data=-1 has no whole number of them; give mesh.data "
+                "explicitly",
             )
-        data = num_devices // model
+        data = num_devices // (model * depth)
     if model == -1:
-        if num_devices % data:
+        if num_devices % (data * depth):
             raise MeshError(
                 "mesh.data",
-                f"mesh.data={data} does not divide the {num_devices} devices, so "
-                "mesh.model=-1 has no whole number of them; give mesh.model explicitly",
+                f"mesh.data={data}{_times_depth(depth)} does not divide the {num_devices} "
+                "devices, so mesh.model=-1 has no whole number of them; give mesh.model "
+                "explicitly",
             )
-        model = num_devices // data
-    if data * model > num_devices:
+        model = num_devices // (data * depth)
+    if data * model * depth > num_devices:
+        axes, sizes = "mesh.data x mesh.model", f"{data} x {model}"
+        if depth > 1:
+            axes, sizes = f"{axes} x mesh.depth", f"{sizes} x {depth}"
         raise MeshError(
             "mesh.data",
-            f"the mesh mesh.data x mesh.model = {data} x {model} = {data * model} devices "
+            f"the mesh {axes} = {sizes} = {data * model * depth} devices "
             f"is larger than the {num_devices} devices of this run ({jax.process_count()} "
             f"process(es), platform {jax.devices()[0].platform}); lower mesh.data or "
             "mesh.model, or use -1 for the rest",
@@ -87,24 +98,30 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[int, int]:
                 f"divisor of model.num_heads={config.model.num_heads} and model.hidden="
                 f"{config.model.hidden}",
             )
-    return data, model
+    return data, model, depth
+
+
+def _times_depth(depth: int) -> str:
+    return "" if depth == 1 else f" x mesh.depth={depth}"
 
 
 def make_mesh(config: Config, devices=None) -> Mesh:
-    """The ``("data", "model")`` mesh of ``config.mesh`` over ``devices`` (default: all
-    devices of all processes). A mesh smaller than the devices uses the first ones,
-    which a run of several processes refuses: every process must hold part of it."""
+    """The ``("data", "model", "depth")`` mesh of ``config.mesh`` over ``devices``
+    (default: all devices of all processes). A mesh smaller than the devices uses the
+    first ones, which a run of several processes refuses: every process must hold part
+    of it."""
     devices = list(jax.devices() if devices is None else devices)
-    data, model = mesh_shape(config, len(devices))
-    if data * model < len(devices) and jax.process_count() > 1:
+    data, model, depth = mesh_shape(config, len(devices))
+    size = data * model * depth
+    if size < len(devices) and jax.process_count() > 1:
         raise MeshError(
             "mesh.data",
-            f"the mesh {data} x {model} leaves devices of this {jax.process_count()}-process "
-            f"run idle ({len(devices)} devices); with several processes the mesh must use "
-            "them all (mesh.data=-1 does)",
+            f"the mesh {data} x {model} x {depth} leaves devices of this "
+            f"{jax.process_count()}-process run idle ({len(devices)} devices); with several "
+            "processes the mesh must use them all (mesh.data=-1 does)",
         )
-    chosen = np.asarray(devices[: data * model], dtype=object).reshape(data, model)
-    return Mesh(chosen, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    chosen = np.asarray(devices[:size], dtype=object).reshape(data, model, depth)
+    return Mesh(chosen, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def _name(entry) -> str | int | None:
@@ -150,7 +167,7 @@ class Layout:
 
     def __init__(self, config: Config, devices=None):
         self.mesh = make_mesh(config, devices)
-        self.data, self.model = (int(n) for n in self.mesh.devices.shape)
+        self.data, self.model, self.depth = (int(n) for n in self.mesh.devices.shape)
         self.processes = jax.process_count()
         self.active = self.mesh.size > 1 or self.processes > 1
         self.replicated = NamedSharding(self.mesh, P())
@@ -158,7 +175,8 @@ class Layout:
 
     def __repr__(self) -> str:
         return (
-            f"Layout(data={self.data}, model={self.model}, processes={self.processes}, "
+            f"Layout(data={self.data}, model={self.model}, depth={self.depth}, "
+            f"processes={self.processes}, "
             f"platform={self.mesh.devices.flat[0].platform})"
         )
 

@@ -405,12 +405,10 @@ def _parallel_sweep(propagate: Propagator, controls: PiecewiseConstant, mesh: Me
     # device runs the fine solves of its own chunks, and the end states are gathered for
     # the serial coarse sweep. (Not ``shard_map``: inside it, reverse mode through
     # diffrax's checkpointed step loop fails equinox's closure check on the varying
-    # mesh axis, in jax 0.10 and equinox 0.13.)
-    chunked = NamedSharding(mesh, P(DEPTH_AXIS))
-
-    def split(tree):
-        return jtu.tree_map(lambda x: jax.lax.with_sharding_constraint(x, chunked), tree)
-
+    # mesh axis, in jax 0.10 and equinox 0.13.) The other axes are left to XLA, so that
+    # on a training mesh the batch stays split over ``data`` and the controls over
+    # ``model``.
+    split = _split_chunks(mesh)
     return lambda states: split(sweep(arrays, split(controls.values), split(states)))
 
 

@@ -13,12 +13,13 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from .. import controls
 from ..checkpointing import CheckpointError, CheckpointManager
 from ..config import Config, ConfigError, from_dict, stepper_object, validate
 from ..controls import NormParams
-from ..integration import DEPTH_PARALLEL, GRADIENT_METHODS, Discretisation
+from ..integration import DEPTH_AXIS, DEPTH_PARALLEL, GRADIENT_METHODS, Discretisation
 from ..models import (
     ContinuousTransformer,
     IncompatibleError,
@@ -26,6 +27,7 @@ from ..models import (
     Readout,
     SequenceModel,
     TokenEmbedding,
+    rediscretise,
     with_conv_projections,
 )
 from ..objective import MSA, Constraints, Objective, Ternary
@@ -307,10 +309,12 @@ def _restore_despite_rotation(checkpoints: CheckpointManager, step, template, pa
     )
 
 
-def build(config: Config, task=None) -> Experiment:
+def build(config: Config, task=None, mesh: Mesh | None = None) -> Experiment:
     """Build the run's objects from a validated ``config``.
 
-    The random initialisation depends on ``train.seed`` only.
+    The random initialisation depends on ``train.seed`` only. With a ``mesh`` whose
+    ``depth`` axis has several devices (the run's ``Layout``), the model's
+    depth-parallel solve splits its chunks over that axis.
 
     Raises:
         ConfigError: a combination that the library refuses.
@@ -329,6 +333,9 @@ def build(config: Config, task=None) -> Experiment:
         model, init_from = build_model(config, task, jr.key(config.train.seed)), None
     else:
         model, init_from = start_model(config, task)
+    method = model.transformer.discretisation.depth_parallel
+    if mesh is not None and method is not None and mesh.shape.get(DEPTH_AXIS, 1) > 1:
+        model = rediscretise(model, depth_parallel=dataclasses.replace(method, mesh=mesh))
     o = config.objective
     objective = Objective(
         control_smoothness=o.control_smoothness,

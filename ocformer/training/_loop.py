@@ -360,7 +360,7 @@ def train(
     layout = Layout(config)  # a mesh larger than the devices is refused here
     run = RunDirectory(workdir, primary=is_primary(), barrier=layout.barrier)
     changes = run.check(config, allow_config_change=allow_config_change)
-    exp, tc = build(config), config.train
+    exp, tc = build(config, mesh=layout.mesh), config.train
     lm = exp.task.kind == "lm"
     with run:
         initial = _initial_tree(exp)
