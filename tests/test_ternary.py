@@ -24,6 +24,7 @@ from ocformer.objective import (
     ternary_projection,
     with_feedforward_kernels,
 )
+from ocformer.training import under_standard_promotion
 
 
 def _brute_force(m: np.ndarray, sparsity: float) -> tuple[float, np.ndarray]:
@@ -116,7 +117,14 @@ def test_discrete_msa_lowers_j_and_keeps_the_kernels_ternary():
     model, batch = small_model("pre"), small_batch()
     start = Ternary(0.0).project(feedforward_kernels(model))
     objective = Objective(ternary=Ternary(0.0))
-    method = MSA(optax.adam(1e-2), inner_steps=5, rho=1.0, rho_growth=2.0, ternary_step=2.0)
+    # optax's Adam raises a float decay to its int32 count: the standard rule for it.
+    method = MSA(
+        under_standard_promotion(optax.adam(1e-2)),
+        inner_steps=5,
+        rho=1.0,
+        rho_growth=2.0,
+        ternary_step=2.0,
+    )
     state = method.init(model, objective)
     step = eqx.filter_jit(msa_iteration)
     losses = []

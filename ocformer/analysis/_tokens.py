@@ -54,7 +54,8 @@ def token_similarity(transformer: ContinuousTransformer, u0, *, key_mask=None) -
         pair = pair & key_mask[..., :, None] & key_mask[..., None, :]
     pair = jnp.broadcast_to(pair, cosine.shape)
     axes = tuple(range(1, cosine.ndim))
-    mean = jnp.sum(jnp.where(pair, cosine, 0.0), axis=axes) / jnp.sum(pair, axis=axes)
+    count = jnp.sum(pair, axis=axes).astype(cosine.dtype)
+    mean = jnp.sum(jnp.where(pair, cosine, 0.0), axis=axes) / count
     smallest = jnp.min(jnp.where(pair, cosine, jnp.inf), axis=axes)
     return TokenSimilarity(ts, cosine, mean, smallest)
 
