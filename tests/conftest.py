@@ -1,8 +1,9 @@
-"""Test-wide settings: XLA's fast CPU compilation, float64 available, strict rank
-promotion, warnings as errors (pyproject), one persistent compilation cache shared by
-every process of the run, and the order in which tests are handed to the workers. Array
-shapes in public signatures are documented by the jaxtyping aliases of
-``ocformer._custom_types``; they are not checked at run time."""
+"""Test-wide settings: XLA's fast CPU compilation, float64 available, strict rank and
+dtype promotion (also in every process the run starts), warnings as errors
+(pyproject), one persistent compilation cache shared by every process of the run, and
+the order in which tests are handed to the workers. Array shapes in public signatures
+are documented by the jaxtyping aliases of ``ocformer._custom_types``; they are not
+checked at run time."""
 
 import os
 import pathlib
@@ -31,12 +32,18 @@ os.environ["XLA_FLAGS"] = " ".join(_flags)
 _CACHE = pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_CACHE))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# Strict dtype promotion: two dtypes meet only through an explicit cast, so a float32
+# time on a float64 state, or a bfloat16 field on a float32 state, fails instead of
+# silently widening. The variable carries it to the command-line runs and notebook
+# kernels; jax reads it at import.
+os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 @pytest.fixture
