@@ -9,6 +9,7 @@ from ._load import (
 )
 from ._reference import reference_table as reference_table
 from ._schema import (
+    DEPTH_FALLBACKS as DEPTH_FALLBACKS,
     SECTIONS as SECTIONS,
     Config as Config,
     ControlsConfig as ControlsConfig,

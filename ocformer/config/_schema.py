@@ -24,6 +24,10 @@ from ..splitting import SCHEMES, SOLVERS
 from ..tasks import FALLBACKS, TASKS
 from ._explicit import records_set_fields
 
+# What train.depth_fallback does to a depth-parallel solve when its rule fires
+# (ocformer.training.DepthFallback): nothing, the serial solve, or twice the iterations.
+DEPTH_FALLBACKS = ("none", "serial", "raise_iterations")
+
 
 def _field(
     default: Any,
@@ -294,6 +298,30 @@ class TrainConfig:
         "msa with objective.ternary: weight alpha of the past in M (1: no decay)",
         gt=0.0,
         le=1.0,
+    )
+    depth_bias_every: int = _field(
+        0,
+        "with a depth-parallel solve: every this many steps, log the cosine and relative "
+        "norm of its gradient against the serial gradient on the step's batch (0: never)",
+        ge=0,
+    )
+    depth_fallback: str = _field(
+        "none",
+        "with a depth-parallel solve: what the fallback rule does when it fires (serial: "
+        "the serial solve; raise_iterations: twice the iterations, serial once exact)",
+        choices=DEPTH_FALLBACKS,
+    )
+    depth_fallback_cosine: float | None = _field(
+        None,
+        "the fallback fires at a bias check whose grad_cosine is below this (None: never)",
+        ge=-1.0,
+        le=1.0,
+    )
+    depth_fallback_patience: int = _field(
+        0,
+        "the fallback fires when this many evaluations in a row did not lower the best "
+        "validation loss (0: never)",
+        ge=0,
     )
 
 

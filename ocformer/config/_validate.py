@@ -220,6 +220,7 @@ def _check_combinations(c: Config) -> None:
     if found:
         raise ConfigError(found[0].field, found[0].message)
     _check_depth_objective(c)
+    _check_depth_training(c)
     if c.train.method == "msa":
         _check_msa(c)
     _check_ternary(c)
@@ -372,6 +373,55 @@ def _check_depth_objective(c: Config) -> None:
             "the kinetic energy needs the states of every step, and a depth-parallel solve "
             "(discretisation.depth_parallel) gives u(T) only; set objective."
             "kinetic_energy=0, or discretisation.depth_parallel=none",
+        )
+
+
+def _check_depth_training(c: Config) -> None:
+    """The bias checks and the fallback rule of ``train`` act on a depth-parallel solve,
+    and the fallback needs one of its two conditions."""
+    t, solve = c.train, c.discretisation.depth_parallel
+    if solve is None:
+        for name, value, off in (
+            ("depth_bias_every", t.depth_bias_every, 0),
+            ("depth_fallback", t.depth_fallback, "none"),
+        ):
+            if value != off:
+                raise ConfigError(
+                    f"train.{name}",
+                    f"train.{name}={value} acts on a depth-parallel solve, but "
+                    "discretisation.depth_parallel is none; set discretisation.depth_parallel"
+                    f"=parareal (or mgrit), or train.{name}={off}",
+                )
+        return
+    if t.depth_bias_every and t.method == "msa":
+        raise ConfigError(
+            "train.depth_bias_every",
+            "the bias checks compare gradients, and train.method=msa takes no gradient "
+            "step; set train.depth_bias_every=0, or train.method=gradient",
+        )
+    if t.depth_fallback_cosine is not None and not t.depth_bias_every:
+        raise ConfigError(
+            "train.depth_fallback_cosine",
+            "the cosine condition is tested at the bias checks, and train.depth_bias_every"
+            "=0 makes none; set train.depth_bias_every=N, or train.depth_fallback_cosine="
+            "none",
+        )
+    if t.depth_fallback == "none" and (
+        t.depth_fallback_cosine is not None or t.depth_fallback_patience
+    ):
+        raise ConfigError(
+            "train.depth_fallback",
+            "train.depth_fallback_cosine or train.depth_fallback_patience is set, but "
+            "train.depth_fallback=none does nothing when they fire; set train."
+            "depth_fallback=serial (or raise_iterations)",
+        )
+    fires = t.depth_fallback_cosine is not None or t.depth_fallback_patience
+    if t.depth_fallback != "none" and not fires:
+        raise ConfigError(
+            "train.depth_fallback",
+            f"train.depth_fallback={t.depth_fallback} has no condition to fire on; set "
+            "train.depth_fallback_cosine=C (with train.depth_bias_every=N) or train."
+            "depth_fallback_patience=P, or train.depth_fallback=none",
         )
 
 

@@ -45,6 +45,7 @@ from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
 from ..tasks import AbstractTask
 from ._build import Experiment, build
+from ._depth_fallback import DepthFallback, carry_state
 from ._errors import NonFiniteError, Preempted, SolverFailure
 from ._optimiser import make_schedule, with_schedule
 from ._preempt import PreemptionGuard
@@ -52,6 +53,7 @@ from ._rundir import RunDirectory
 from ._step import (
     FINITE_SOURCES,
     enable_compile_cache,
+    make_bias_step,
     make_eval_step,
     make_msa_step,
     make_train_step,
@@ -373,6 +375,11 @@ def train(
             init_from=exp.init_from,
         )
         model, opt_state, key, step, skipped = _from_tree(exp, restored or initial)
+        fallback = DepthFallback(tc, model)
+        if resumed_from is not None:  # the solve that earlier fallbacks left
+            fallback.replay(run.metrics.read(), step)
+            model, old = fallback.solve(model), model
+            opt_state = carry_state(opt_state, old, model)
         # The schedule of this configuration (a resumed run may have changed it); the
         # count of applied updates comes from the checkpoint.
         opt_state = with_schedule(opt_state, config.optimiser, tc.steps)
@@ -386,17 +393,26 @@ def train(
         # Non-finite updates are discarded inside the step in both modes (see the
         # module docstring); "abort" stops at the next check.
         if exp.method is None:
-            train_step = make_train_step(
+            step_fn = make_train_step(
                 with_precision(exp.objective, config), exp.constraints, exp.optimiser,
                 skip_nonfinite=True,
             )  # fmt: skip
         else:
-            train_step = make_msa_step(
-                exp.objective, exp.constraints, exp.method, skip_nonfinite=True
+            step_fn = make_msa_step(exp.objective, exp.constraints, exp.method, skip_nonfinite=True)
+        bias_fn = make_bias_step(with_precision(exp.objective, config))
+
+        def compiled_steps(model):
+            """The training, bias and evaluation steps of ``model``'s solve (on a mesh
+            the programs hold the model's static part, so a fallback recompiles)."""
+            if not layout.active:
+                return step_fn, bias_fn, _Evaluation(exp, layout, model)
+            return (
+                layout.compile_train_step(step_fn, model, opt_state),
+                _compile_bias_step(layout, bias_fn, model),
+                _Evaluation(exp, layout, model),
             )
-        if layout.active:
-            train_step = layout.compile_train_step(train_step, model, opt_state)
-        evaluation = _Evaluation(exp, layout, model)
+
+        train_step, bias_step, evaluation = compiled_steps(model)
         units = config.task.batch_size * (exp.task.seq_len if lm else 1)
         throughput = _Throughput(units, "tok_per_s" if lm else "ex_per_s")
         last: dict = {}
@@ -419,6 +435,15 @@ def train(
                     batch = prefetch.get(step)
                     step += 1
                     profile.before(step)
+                    # The bias of the depth-parallel gradient at this step's parameters
+                    # and batch, before the update.
+                    biased = None
+                    bias_check = tc.depth_bias_every and step % tc.depth_bias_every == 0
+                    if fallback.parallel and bias_check:
+                        try:
+                            biased = bias_step(model, batch)
+                        except eqx.EquinoxRuntimeError as e:
+                            raise SolverFailure.from_error(step, e) from None
                     try:
                         model, opt_state, metrics, finite = train_step(model, opt_state, batch)
                     except eqx.EquinoxRuntimeError as e:
@@ -427,7 +452,7 @@ def train(
                     profile.after(step, (model, opt_state))
                     throughput.steps += 1
                     evaluated = step % tc.eval_every == 0 or step == tc.steps
-                    logged = evaluated or step % tc.log_every == 0
+                    logged = evaluated or step % tc.log_every == 0 or biased is not None
                     # Every process stops at the same step (a checkpoint is written
                     # together); processes agree on it at a bounded cadence.
                     if several:
@@ -455,13 +480,33 @@ def train(
                         rate["data_wait_fraction"] = prefetch.wait_s / max(
                             time.perf_counter() - loop_started, 1e-9
                         )
+                        reason = None
+                        if biased is not None:
+                            last.update({k: float(v) for k, v in jax.device_get(biased).items()})
+                            reason = fallback.after_bias(last["grad_cosine"])
                         if evaluated:
                             last.update(evaluation(model, step))
+                            reason = fallback.after_evaluation(last["val_loss"]) or reason
                             if (text := evaluation.sample(model, key, step)) is not None:
                                 run.sample(step, text)
                                 bar.write(f"--- sample at step {step} ---\n{text}\n---")
                             throughput.restart()
+                        if reason is not None:
+                            model, old = fallback.fire(model), model
+                            opt_state = carry_state(opt_state, old, model)
+                            solve = (
+                                f"{fallback.iterations} iterations"
+                                if fallback.parallel
+                                else "serial"
+                            )
+                            bar.write(
+                                f"ocformer: depth fallback at step {step}: {reason}; the solve "
+                                f"is {solve} from step {step + 1}"
+                            )
+                            last["depth_fallback_iterations"] = fallback.iterations
+                            train_step, bias_step, evaluation = compiled_steps(model)
                         run.log(step, {**last, **rate})
+                        last.pop("depth_fallback_iterations", None)
                         speed = {
                             throughput.name.replace("_per_", "/"): f"{rate[throughput.name]:,.0f}"
                         }
@@ -492,6 +537,19 @@ def train(
     if is_primary():
         _print_summary(summary)
     return summary
+
+
+def _compile_bias_step(layout: Layout, bias, model):
+    """``bias(model, batch)`` as one ``jax.jit`` with the layout's shardings: the
+    parameters as the training step's, the batch split by rows, the metrics
+    replicated."""
+    params, static = eqx.partition(model, eqx.is_array)
+    compiled = jax.jit(
+        lambda params, batch: bias(eqx.combine(params, static), batch),
+        in_shardings=(layout.param_shardings(params), layout.rows),
+        out_shardings=layout.replicated,
+    )
+    return lambda model, batch: compiled(eqx.filter(model, eqx.is_array), batch)
 
 
 def train_batches(

@@ -22,6 +22,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
+from ..models import rediscretise
 from ..objective import MSA, msa_iteration
 
 FINITE_SOURCES: tuple[str, ...] = ("loss", "gradients", "parameters")
@@ -190,3 +191,48 @@ def make_eval_step(objective) -> Callable:
     if objective_key is not None:
         _EVAL_STEPS[objective_key] = evaluate
     return evaluate
+
+
+def gradient_bias(grads, reference) -> dict[str, jax.Array]:
+    r"""How far ``grads`` is from ``reference`` (two pytrees of the same structure):
+    ``grad_cosine`` $\langle g, g_\mathrm{ref} \rangle / (|g| |g_\mathrm{ref}|)$ and
+    ``grad_rel_norm`` $|g - g_\mathrm{ref}| / |g_\mathrm{ref}|$, over all the inexact
+    leaves taken as one vector."""
+    g = [x for x in jtu.tree_leaves(grads) if eqx.is_inexact_array(x)]
+    r = [x for x in jtu.tree_leaves(reference) if eqx.is_inexact_array(x)]
+    dot = sum(jnp.vdot(a, b) for a, b in zip(g, r, strict=True))
+    norm_g, norm_r = optax.tree.norm(g), optax.tree.norm(r)
+    diff = optax.tree.norm([a - b for a, b in zip(g, r, strict=True)])
+    return {"grad_cosine": dot / (norm_g * norm_r), "grad_rel_norm": diff / norm_r}
+
+
+_BIAS_STEPS: dict = {}
+
+
+def make_bias_step(objective) -> Callable:
+    """``bias(model, batch) -> metrics``: the gradient of ``objective`` at ``model``,
+    whose transformer solves in depth in parallel, against the serial gradient at the
+    same parameters and batch (the same model with ``depth_parallel=None``), as
+    ``gradient_bias``'s ``grad_cosine`` and ``grad_rel_norm``. Both gradients are one
+    compiled program, kept as ``make_eval_step``'s are."""
+    try:
+        cached = _BIAS_STEPS.get(objective)
+    except TypeError:
+        objective_key, cached = None, None
+    else:
+        objective_key = objective
+    if cached is not None:
+        return cached
+
+    def gradient(model, batch):
+        (_, _), grads = eqx.filter_value_and_grad(objective, has_aux=True)(model, batch)
+        return grads
+
+    @eqx.filter_jit
+    def bias(model, batch):
+        serial = rediscretise(model, depth_parallel=None)
+        return gradient_bias(gradient(model, batch), gradient(serial, batch))
+
+    if objective_key is not None:
+        _BIAS_STEPS[objective_key] = bias
+    return bias
