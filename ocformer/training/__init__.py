@@ -8,6 +8,7 @@ from ._build import (
     build_model as build_model,
     build_task as build_task,
 )
+from ._depth_fallback import DepthFallback as DepthFallback
 from ._errors import (
     ConfigChanged as ConfigChanged,
     ExitCode as ExitCode,
@@ -28,6 +29,8 @@ from ._optimiser import (
 )
 from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
 from ._step import (
+    gradient_bias as gradient_bias,
+    make_bias_step as make_bias_step,
     make_eval_step as make_eval_step,
     make_msa_step as make_msa_step,
     make_train_step as make_train_step,

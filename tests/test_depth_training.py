@@ -1,0 +1,128 @@
+"""Training with a depth-parallel solve, in float64 on the smoke model (2 layers): the
+gradient's bias against the serial gradient, and the fallback rule."""
+
+import dataclasses
+import json
+import os
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from ocformer import train as cli
+from ocformer.config import ConfigError, resolve
+from ocformer.training import DepthFallback, build, make_bias_step, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+SMOKE64 = f"{SMOKE}:float64"
+# Parareal on one chunk per layer with a coarse Euler step per chunk: K = 1 is not
+# exact (2 chunks), K = 2 is.
+PARAREAL = [
+    "discretisation.depth_parallel=parareal",
+    "discretisation.coarse_stepper=euler",
+    "train.progress=false",
+]
+
+
+def _gradient(objective, model, batch):
+    grads = eqx.filter_grad(lambda m, b: objective(m, b)[0])(model, batch)
+    return np.asarray(ravel_pytree(eqx.filter(grads, eqx.is_inexact_array))[0])
+
+
+@pytest.mark.parametrize("iterations, exact", [(1, False), (2, True)])
+def test_bias_metrics_equal_the_direct_cosine_and_relative_norm(iterations, exact):
+    parallel = build(resolve(SMOKE64, [*PARAREAL, f"discretisation.iterations={iterations}"]))
+    serial = build(resolve(SMOKE64, ["train.progress=false"]))  # the same seed and batch
+    batch = {k: jnp.asarray(v) for k, v in parallel.task.batch("train", 0, 16, 0).items()}
+    got = {
+        k: float(v) for k, v in make_bias_step(parallel.objective)(parallel.model, batch).items()
+    }
+    g = _gradient(parallel.objective, parallel.model, batch)
+    r = _gradient(serial.objective, serial.model, batch)
+    cosine = float(g @ r / (np.linalg.norm(g) * np.linalg.norm(r)))
+    rel = float(np.linalg.norm(g - r) / np.linalg.norm(r))
+    assert got["grad_cosine"] == pytest.approx(cosine, rel=1e-12, abs=1e-14)
+    assert got["grad_rel_norm"] == pytest.approx(rel, rel=1e-10, abs=1e-14)
+    if exact:  # K = N: the serial gradient to rounding
+        assert rel < 1e-12
+    else:  # a bias the metrics can see
+        assert rel > 1e-4 and cosine < 1 - 1e-8
+
+
+def _records(workdir) -> dict[int, dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+def _steps(config, steps: int):
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps))
+
+
+def test_fallback_fires_and_the_run_continues_as_a_serial_run_from_that_state(tmp_path):
+    common = [*PARAREAL, "train.checkpoint_every=2", "train.eval_every=2", "train.steps=4"]
+    # The cosine is below 1 at the first bias check (step 2), so the rule fires there.
+    fallback = resolve(SMOKE64, [*common, "train.depth_bias_every=2",
+                                 "train.depth_fallback=serial",
+                                 "train.depth_fallback_cosine=1.0"])  # fmt: skip
+    a = str(tmp_path / "a")
+    train(fallback, a)
+    records = _records(a)
+    assert records[2]["grad_cosine"] < 1.0 and records[2]["depth_fallback_iterations"] == 0
+    assert "grad_cosine" not in records[4]  # serial: nothing left to measure
+    # The same two depth-parallel steps, then the serial solve from their checkpoint.
+    b = str(tmp_path / "b")
+    train(resolve(SMOKE64, [*common, "train.steps=2"]), b)
+    serial = resolve(SMOKE64, ["train.progress=false", "train.checkpoint_every=2",
+                               "train.eval_every=2", "train.steps=4"])  # fmt: skip
+    train(serial, b, allow_config_change=True)
+    again = _records(b)
+    for step in (1, 2, 3, 4):
+        assert records[step]["loss"] == pytest.approx(again[step]["loss"], rel=1e-12)
+    assert records[4]["val_loss"] == pytest.approx(again[4]["val_loss"], rel=1e-12)
+    # Resumed, the fallback run keeps the serial solve that the rule left.
+    train(_steps(fallback, 6), a, allow_config_change=True)
+    train(_steps(serial, 6), b, allow_config_change=True)
+    assert _records(a)[6]["loss"] == pytest.approx(_records(b)[6]["loss"], rel=1e-12)
+
+
+def test_raise_iterations_goes_serial_once_doubling_k_would_be_exact():
+    config = resolve(SMOKE64, [*PARAREAL, "discretisation.chunks=2",
+                               "train.depth_fallback=raise_iterations",
+                               "train.depth_fallback_patience=2"])  # fmt: skip
+    model = build(config).model
+    rule = DepthFallback(config.train, model)
+    assert rule.after_evaluation(1.0) is None and rule.after_evaluation(1.5) is None
+    assert rule.after_evaluation(0.9) is None  # a new best: the count starts again
+    assert rule.after_evaluation(0.9) is None
+    assert "2 evaluations" in rule.after_evaluation(1.0)
+    model = rule.fire(model)  # K = 1 -> 2 would be exact on 2 chunks: serial
+    assert model.transformer.discretisation.depth_parallel is None and not rule.parallel
+
+
+BAD = [
+    (["train.depth_bias_every=5"], "train.depth_bias_every", "depth_parallel is none"),
+    (["train.depth_fallback=serial", "train.depth_fallback_patience=2"], "train.depth_fallback",
+     "discretisation.depth_parallel is none"),
+    ([*PARAREAL, "train.depth_fallback=serial"], "train.depth_fallback", "no condition to fire"),
+    ([*PARAREAL, "train.depth_fallback_cosine=0.9"], "train.depth_fallback_cosine",
+     "train.depth_bias_every=0"),
+    ([*PARAREAL, "train.depth_bias_every=5", "train.depth_fallback_cosine=0.9"],
+     "train.depth_fallback", "does nothing"),
+    ([*PARAREAL, "train.depth_fallback_cosine=2"], "train.depth_fallback_cosine", "<= 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides, field, words", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_bad_depth_training_is_refused_by_name(overrides, field, words, tmp_path, capsys):
+    with pytest.raises(ConfigError) as e:
+        resolve(SMOKE, overrides)
+    assert e.value.field == field and words in str(e.value)
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run")]
+    for o in overrides:
+        argv += ["--set", o]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert field in err and words in err
