@@ -450,6 +450,10 @@ def _costate_solve(vjp_arg, method, nondiff, coarse, fine_controls, coarse_contr
     with respect to its controls at the converged $P_{n+1}$; u0's is $P_0$. The coarse
     propagator only steers the iteration and gets no gradient.
     """
+    return _costate_primal(vjp_arg, method, nondiff, coarse, fine_controls, coarse_controls)
+
+
+def _costate_primal(vjp_arg, method, nondiff, coarse, fine_controls, coarse_controls):
     diff, values, u0 = vjp_arg
     fine = eqx.combine(diff, nondiff)
     controls = _piece(fine_controls, values)
@@ -459,7 +463,7 @@ def _costate_solve(vjp_arg, method, nondiff, coarse, fine_controls, coarse_contr
 @_costate_solve.def_fwd
 def _costate_solve_fwd(perturbed, vjp_arg, method, nondiff, coarse, fine_controls, coarse_controls):
     del perturbed
-    history = _costate_solve.fn(vjp_arg, method, nondiff, coarse, fine_controls, coarse_controls)
+    history = _costate_primal(vjp_arg, method, nondiff, coarse, fine_controls, coarse_controls)
     return history, history[-1]
 
 
