@@ -6,6 +6,7 @@ import json
 import os
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from jax.flatten_util import ravel_pytree
 
 from ocformer import train as cli
 from ocformer.config import ConfigError, resolve
-from ocformer.training import DepthFallback, build, make_bias_step, train
+from ocformer.training import DepthFallback, build, gradient_bias, make_bias_step, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
@@ -28,15 +29,32 @@ PARAREAL = [
 
 
 def _gradient(objective, model, batch):
-    grads = eqx.filter_grad(lambda m, b: objective(m, b)[0])(model, batch)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, b: objective(m, b)[0]))(model, batch)
     return np.asarray(ravel_pytree(eqx.filter(grads, eqx.is_inexact_array))[0])
 
 
+def test_gradient_bias_is_the_cosine_and_relative_norm_of_the_flattened_trees():
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    g = {"a": jax.random.normal(keys[0], (3, 4)), "b": (jax.random.normal(keys[1], (5,)), None)}
+    r = {"a": jax.random.normal(keys[2], (3, 4)), "b": (jax.random.normal(keys[3], (5,)), None)}
+    x, y = np.asarray(ravel_pytree(g)[0]), np.asarray(ravel_pytree(r)[0])
+    got = {k: float(v) for k, v in gradient_bias(g, r).items()}
+    assert got["grad_cosine"] == pytest.approx(
+        x @ y / np.linalg.norm(x) / np.linalg.norm(y), rel=1e-13
+    )
+    assert got["grad_rel_norm"] == pytest.approx(
+        np.linalg.norm(x - y) / np.linalg.norm(y), rel=1e-13
+    )
+    assert float(gradient_bias(r, r)["grad_cosine"]) == pytest.approx(1.0, abs=1e-15)
+
+
+# A few parareal gradient programs compile here (about 25 s of CPU): marked slow.
+@pytest.mark.slow
 @pytest.mark.parametrize("iterations, exact", [(1, False), (2, True)])
 def test_bias_metrics_equal_the_direct_cosine_and_relative_norm(iterations, exact):
     parallel = build(resolve(SMOKE64, [*PARAREAL, f"discretisation.iterations={iterations}"]))
     serial = build(resolve(SMOKE64, ["train.progress=false"]))  # the same seed and batch
-    batch = {k: jnp.asarray(v) for k, v in parallel.task.batch("train", 0, 16, 0).items()}
+    batch = {k: jnp.asarray(v) for k, v in parallel.task.batch("train", 0, 4, 0).items()}
     got = {
         k: float(v) for k, v in make_bias_step(parallel.objective)(parallel.model, batch).items()
     }
@@ -61,6 +79,7 @@ def _steps(config, steps: int):
     return dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps))
 
 
+@pytest.mark.slow
 def test_fallback_fires_and_the_run_continues_as_a_serial_run_from_that_state(tmp_path):
     common = [*PARAREAL, "train.checkpoint_every=2", "train.eval_every=2", "train.steps=4"]
     # The cosine is below 1 at the first bias check (step 2), so the rule fires there.
