@@ -7,6 +7,7 @@ time. Re-discretising a trained model keeps every array of the problem (embeddin
 controls, readout) and rebuilds everything else from the changed configuration.
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -173,7 +174,13 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     at_step = (
         CheckpointManager(os.path.join(workdir, "checkpoints")).latest() if step is None else step
     )
-    new_config = validate(apply_overrides(config, list(overrides)))
+    # The bias checks and fallback of a depth-parallel run act on its training only, so
+    # they do not stop an evaluation under the serial solve.
+    idle = dataclasses.replace(
+        config.train, depth_bias_every=0, depth_fallback="none", depth_fallback_cosine=None,
+        depth_fallback_patience=0,
+    )  # fmt: skip
+    new_config = validate(apply_overrides(dataclasses.replace(config, train=idle), list(overrides)))
     # A replace of the discretisation value: the trained arrays are untouched, and the
     # grid-dependent parts are derived from the new value at the next solve.
     model = rediscretise(trained, build_discretisation(new_config))
