@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from ocformer import train as cli
@@ -18,7 +19,7 @@ from ocformer.config import ConfigError, apply_overrides, load_experiment, resol
 from ocformer.models import rediscretise
 from ocformer.objective import MixedPrecision, cross_entropy, in_precision
 from ocformer.operators import Attention, Grid, LayerNormProjection, normalise
-from ocformer.training import _loop, build, load_run
+from ocformer.training import _loop, build, load_run, under_standard_promotion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
@@ -256,7 +257,11 @@ def test_command_line_bfloat16_run_keeps_float32_state_and_checkpoints(tmp_path,
               "train.checkpoint_every=2", "optimiser.warmup_steps=0",
               "model.precision=bfloat16"):  # fmt: skip
         argv += ["--set", o]
-    assert cli.main(argv) == 0
+    # The standard rule for the run: jax cannot lower the gradient of its bfloat16
+    # dot_product_attention under strict promotion (see the test of the products above,
+    # whose traces check the package's dtypes under strict promotion).
+    with jax.numpy_dtype_promotion("standard"):
+        assert cli.main(argv) == 0
     assert seen and all(isinstance(o, MixedPrecision) and o.compute == "bfloat16" for o in seen)
     marker = CheckpointManager(str(tmp_path / "checkpoints")).read_marker(2)
     floats = {leaf["dtype"] for leaf in marker["leaves"] if "float" in leaf["dtype"]}
@@ -267,3 +272,22 @@ def test_command_line_bfloat16_run_keeps_float32_state_and_checkpoints(tmp_path,
     model = cast(Any, load_run(tmp_path)[1])
     initial = build(resolve(SMOKE, ["optimiser.warmup_steps=0"])).model
     assert not np.array_equal(np.asarray(model.readout.weight), np.asarray(initial.readout.weight))
+
+
+def test_under_standard_promotion_runs_optax_adam_unchanged():
+    """optax's Adam fails under strict promotion (its bias correction raises a float
+    decay to the int32 count); wrapped, it runs and gives the standard rule's update bit
+    for bit. If optax stops failing, the first check says the wrapper can go."""
+    params = {"w": jnp.asarray([1.0, -2.0, 3.0], F32)}
+    grads = {"w": jnp.asarray([0.5, -1.0, 2.0], F32)}
+    tx = optax.adam(1e-2)
+    assert jax.config.jax_numpy_dtype_promotion == "strict"
+    with pytest.raises(Exception, match="no available implicit dtype promotion path"):
+        tx.update(grads, tx.init(params), params)
+    wrapped = under_standard_promotion(tx)
+    got, state = eqx.filter_jit(wrapped.update)(grads, wrapped.init(params), params)
+    with jax.numpy_dtype_promotion("standard"):
+        want, _ = tx.update(grads, tx.init(params), params)
+    assert got["w"].dtype == F32 and int(state[0].count) == 1
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+    assert not np.array_equal(np.asarray(got["w"]), np.zeros(3))
