@@ -116,7 +116,8 @@ def test_raise_iterations_goes_serial_once_doubling_k_would_be_exact():
     assert rule.after_evaluation(1.0) is None and rule.after_evaluation(1.5) is None
     assert rule.after_evaluation(0.9) is None  # a new best: the count starts again
     assert rule.after_evaluation(0.9) is None
-    assert "2 evaluations" in rule.after_evaluation(1.0)
+    reason = rule.after_evaluation(1.0)
+    assert reason is not None and "2 evaluations" in reason
     model = rule.fire(model)  # K = 1 -> 2 would be exact on 2 chunks: serial
     assert model.transformer.discretisation.depth_parallel is None and not rule.parallel
 
