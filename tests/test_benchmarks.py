@@ -40,10 +40,15 @@ METHODS = (
 )
 
 
-def _run(module: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    # A clean process: the test session's float64 and strict-promotion settings are
-    # not those a user runs the benchmarks with.
+def _run(
+    module: str, *args: str, timeout: float = 900, promotion: str | None = None
+) -> subprocess.CompletedProcess:
+    # A clean process: the test session's float64 setting is not the one a user runs
+    # the benchmarks with. It keeps the session's strict dtype promotion unless
+    # ``promotion`` is given.
     env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    if promotion is not None:
+        env["JAX_NUMPY_DTYPE_PROMOTION"] = promotion
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=REPO,
@@ -122,7 +127,10 @@ def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
     assert "needs an NVIDIA GPU" in refused.stderr and "--dry-run" in refused.stderr
 
     out = tmp_path / "gpu.json"
-    proc = _run("benchmarks.gpu", "--dry-run", "--json", str(out))
+    # The standard rule: jax cannot lower the gradient of its bfloat16
+    # dot_product_attention under strict promotion (a float32 score cotangent against
+    # bfloat16 keys in its BF16_BF16_F32 dot), and the benchmark trains in bfloat16.
+    proc = _run("benchmarks.gpu", "--dry-run", "--json", str(out), promotion="standard")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["dry_run"] is True and r["compute_dtype"] == "bfloat16"
