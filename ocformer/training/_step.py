@@ -81,6 +81,18 @@ def _select(ok, new, old):
 _TRAIN_STEPS: dict = {}
 
 
+def _kept(cache: dict, key, step: Callable) -> Callable:
+    """The step ``cache`` holds under ``key``, else ``step``, kept there from now on. A
+    key with an unhashable part keeps nothing: ``step`` serves this call only."""
+    try:
+        kept = cache.get(key)
+    except TypeError:
+        return step
+    if kept is None:
+        kept = cache[key] = step
+    return kept
+
+
 def make_train_step(
     objective, constraints, optimiser: optax.GradientTransformation, *, skip_nonfinite: bool
 ) -> Callable:
@@ -95,13 +107,6 @@ def make_train_step(
     the same ``skip_nonfinite`` return the same compiled step, so that a second run
     in the process traces and compiles nothing for shapes it has seen.
     """
-    key = (objective, constraints, optimiser.update, skip_nonfinite)
-    try:
-        cached = _TRAIN_STEPS.get(key)
-    except TypeError:  # an unhashable part: compile for this call only
-        key, cached = None, None
-    if cached is not None:
-        return cached
 
     @eqx.filter_jit
     def step(model, opt_state, batch):
@@ -117,9 +122,8 @@ def make_train_step(
         metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads))
         return new_model, new_opt_state, metrics, finite
 
-    if key is not None:
-        _TRAIN_STEPS[key] = step
-    return step
+    key = (objective, constraints, optimiser.update, skip_nonfinite)
+    return _kept(_TRAIN_STEPS, key, step)
 
 
 def make_msa_step(objective, constraints, method: MSA, *, skip_nonfinite: bool) -> Callable:
@@ -128,10 +132,6 @@ def make_msa_step(objective, constraints, method: MSA, *, skip_nonfinite: bool) 
     gradient update, with ``make_train_step``'s contract (``finite`` over the loss, the
     backward sweep's gradient and the new parameters; a non-finite iteration discarded
     with ``skip_nonfinite``) and its cache of compiled steps."""
-    key = ("msa", objective, constraints, method, skip_nonfinite)
-    cached = _TRAIN_STEPS.get(key)
-    if cached is not None:
-        return cached
 
     @eqx.filter_jit
     def step(model, state, batch):
@@ -151,8 +151,7 @@ def make_msa_step(objective, constraints, method: MSA, *, skip_nonfinite: bool) 
             new_state = _select(ok, new_state, state)
         return new_model, new_state, metrics, finite
 
-    _TRAIN_STEPS[key] = step
-    return step
+    return _kept(_TRAIN_STEPS, ("msa", objective, constraints, method, skip_nonfinite), step)
 
 
 def validation_metrics(records: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -174,23 +173,13 @@ _EVAL_STEPS: dict = {}
 def make_eval_step(objective) -> Callable:
     """``evaluate(model, batch) -> metrics`` (with ``loss``), compiled (one per equal
     objective in a process, as ``make_train_step``)."""
-    try:
-        cached = _EVAL_STEPS.get(objective)
-    except TypeError:
-        objective_key, cached = None, None
-    else:
-        objective_key = objective
-    if cached is not None:
-        return cached
 
     @eqx.filter_jit
     def evaluate(model, batch):
         loss, metrics = objective(model, batch)
         return dict(metrics, loss=loss)
 
-    if objective_key is not None:
-        _EVAL_STEPS[objective_key] = evaluate
-    return evaluate
+    return _kept(_EVAL_STEPS, objective, evaluate)
 
 
 def gradient_bias(grads, reference) -> dict[str, jax.Array]:
@@ -215,14 +204,6 @@ def make_bias_step(objective) -> Callable:
     same parameters and batch (the same model with ``depth_parallel=None``), as
     ``gradient_bias``'s ``grad_cosine`` and ``grad_rel_norm``. Both gradients are one
     compiled program, kept as ``make_eval_step``'s are."""
-    try:
-        cached = _BIAS_STEPS.get(objective)
-    except TypeError:
-        objective_key, cached = None, None
-    else:
-        objective_key = objective
-    if cached is not None:
-        return cached
 
     def gradient(model, batch):
         (_, _), grads = eqx.filter_value_and_grad(objective, has_aux=True)(model, batch)
@@ -233,6 +214,4 @@ def make_bias_step(objective) -> Callable:
         serial = rediscretise(model, depth_parallel=None)
         return gradient_bias(gradient(model, batch), gradient(serial, batch))
 
-    if objective_key is not None:
-        _BIAS_STEPS[objective_key] = bias
-    return bias
+    return _kept(_BIAS_STEPS, objective, bias)
