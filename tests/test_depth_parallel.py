@@ -213,6 +213,7 @@ def _relative(got, want) -> float:
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
 
+@pytest.mark.slow  # about 30 s on the idle 2-core machine
 def test_parallel_costate_gives_the_serial_gradient_once_exact(inputs):
     serial = _post_ln()  # 2 chunks of two layers
     want = _grads(serial, *inputs)
