@@ -265,42 +265,41 @@ class Parareal(AbstractDepthParallel):
 class MGRIT(AbstractDepthParallel):
     r"""Two-level MGRIT (Falgout et al., SIAM J. Sci. Comput. 2014) over the layer grid.
 
-        The fine grid is the layer boundaries, the coarse grid (the C-points) the chunk
-        boundaries $T_n$; the coarsening factor is the $c$ layers of a chunk, whose
-        interior layer boundaries are the F-points. One iteration from the C-point values
-        $U_n$:
+    The fine grid is the layer boundaries, the coarse grid (the C-points) the chunk
+    boundaries $T_n$; the coarsening factor is the $c$ layers of a chunk, whose
+    interior layer boundaries are the F-points. One iteration from the C-point values
+    $U_n$:
 
-        - F-relaxation: the fine propagator from each C-point across its chunk, to the
-          last F-point before $T_{n+1}$ (every chunk at once);
-        - with ``relaxation="FCF"``, first a C-relaxation, $U_{n+1} \leftarrow$ one fine
-          layer from that F-point, i.e. $U_{n+1} \leftarrow \mathcal{F}_n(U_n) + s_n$
-          (every chunk at once), and a second F-relaxation from the new C-points;
-        - the coarse-grid correction in FAS form: the fine residual at the C-points,
-          $r_{n+1} = \mathcal{F}_n(U_n) + s_n - U_{n+1}$ (the last fine layer of each
-          chunk from its F-point), restricted by injection; the coarse equation
-          $V_{n+1} - \mathcal{G}_n(V_n) = U_{n+1} - \mathcal{G}_n(U_n) + r_{n+1}$, $V_0 = U_0$,
-          solved by one serial coarse sweep; and $U_n \leftarrow V_n$ (the correction
-          $V_n - U_n$ added at the C-points; the F-points follow in the next
-          F-relaxation).
+    - F-relaxation: the fine propagator from each C-point across its chunk, to the
+      last F-point before $T_{n+1}$ (every chunk at once);
+    - with ``relaxation="FCF"``, first a C-relaxation, $U_{n+1} \leftarrow$ one fine
+      layer from that F-point, i.e. $U_{n+1} \leftarrow \mathcal{F}_n(U_n) + s_n$
+      (every chunk at once), and a second F-relaxation from the new C-points;
+    - the coarse-grid correction in FAS form: the fine residual at the C-points,
+      $r_{n+1} = \mathcal{F}_n(U_n) + s_n - U_{n+1}$ (the last fine layer of each
+      chunk from its F-point), restricted by injection; the coarse equation
+      $V_{n+1} - \mathcal{G}_n(V_n) = U_{n+1} - \mathcal{G}_n(U_n) + r_{n+1}$, $V_0 = U_0$,
+      solved by one serial coarse sweep; and $U_n \leftarrow V_n$ (the correction
+      $V_n - U_n$ added at the C-points; the F-points follow in the next
+      F-relaxation).
 
-        An F-relaxation followed by the last fine layer of the chunk is the fine chunk
-        propagator $\mathcal{F}_n$, so both are one fine solve per chunk; the F-points
-        are that solve's interior states and are never stored.
+    An F-relaxation followed by the last fine layer of the chunk is the fine chunk
+    propagator $\mathcal{F}_n$, so both are one fine solve per chunk; the F-points
+    are that solve's interior states and are never stored.
 
-        With F-relaxation the update is $U^{k+1}_{n+1} = \mathcal{G}_n(U^{k+1}_n) +
-        \mathcal{F}_n(U^k_n) + s_n - \mathcal{G}_n(U^k_n)$: parareal (Gander and
-        Vandewalle 2007), to rounding. FCF is parareal applied to the C-relaxed values
-        $	ilde U_{n+1} = \mathcal{F}_n(U^k_n) + s_n$: each iteration extends the exact
-        C-points by two chunks instead of one, so from the coarse guess (exact at $n = 0$)
-        $U^k_n$ is the serial state for $n \le 2k$, and $K = \lceil N / 2
-    ceil$
-        iterations give the serial $u(T)$. An FCF iteration costs two fine sweeps (and a
-        parallel coarse one for $\mathcal{G}_n(	ilde U_n)$), an F iteration one.
+    With F-relaxation the update is $U^{k+1}_{n+1} = \mathcal{G}_n(U^{k+1}_n) +
+    \mathcal{F}_n(U^k_n) + s_n - \mathcal{G}_n(U^k_n)$: parareal (Gander and
+    Vandewalle 2007), to rounding. FCF is parareal applied to the C-relaxed values
+    $\tilde U_{n+1} = \mathcal{F}_n(U^k_n) + s_n$: each iteration extends the exact
+    C-points by two chunks instead of one, so from the coarse guess (exact at $n = 0$)
+    $U^k_n$ is the serial state for $n \le 2k$, and $K = \lceil N / 2\rceil$
+    iterations give the serial $u(T)$. An FCF iteration costs two fine sweeps (and a
+    parallel coarse one for $\mathcal{G}_n(\tilde U_n)$), an F iteration one.
 
-        Args:
-            coarse_stepper, coarse_steps, iterations, chunks, mesh, costate: as for
-                ``Parareal`` (``costate="parallel"``: the costate solved by MGRIT too).
-            relaxation: ``"F"`` or ``"FCF"``.
+    Args:
+        coarse_stepper, coarse_steps, iterations, chunks, mesh, costate: as for
+            ``Parareal`` (``costate="parallel"``: the costate solved by MGRIT too).
+        relaxation: ``"F"`` or ``"FCF"``.
     """
 
     name: ClassVar[str] = "mgrit"
