@@ -320,10 +320,20 @@ class Layout:
     def compile_eval_step(self, evaluate, model):
         """``evaluate(model, batch) -> metrics`` with a replicated batch and replicated
         metrics."""
+        return self._compile_metrics(evaluate, model, self.replicated)
+
+    def compile_bias_step(self, bias, model):
+        """``bias(model, batch) -> metrics`` (the depth-parallel gradient's bias checks)
+        with the batch split by rows, as the training step's, and replicated metrics."""
+        return self._compile_metrics(bias, model, self.rows)
+
+    def _compile_metrics(self, fn, model, batch_sharding):
+        # fn(model, batch) -> metrics, one jax.jit: parameters sharded as the training
+        # step's, the batch as given, the metrics replicated.
         params, static = eqx.partition(model, eqx.is_array)
         compiled = jax.jit(
-            lambda params, batch: evaluate(eqx.combine(params, static), batch),
-            in_shardings=(self.param_shardings(params), self.replicated),
+            lambda params, batch: fn(eqx.combine(params, static), batch),
+            in_shardings=(self.param_shardings(params), batch_sharding),
             out_shardings=self.replicated,
         )
         return lambda model, batch: compiled(eqx.filter(model, eqx.is_array), batch)

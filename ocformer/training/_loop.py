@@ -408,7 +408,7 @@ def train(
                 return step_fn, bias_fn, _Evaluation(exp, layout, model)
             return (
                 layout.compile_train_step(step_fn, model, opt_state),
-                _compile_bias_step(layout, bias_fn, model),
+                layout.compile_bias_step(bias_fn, model),
                 _Evaluation(exp, layout, model),
             )
 
@@ -537,19 +537,6 @@ def train(
     if is_primary():
         _print_summary(summary)
     return summary
-
-
-def _compile_bias_step(layout: Layout, bias, model):
-    """``bias(model, batch)`` as one ``jax.jit`` with the layout's shardings: the
-    parameters as the training step's, the batch split by rows, the metrics
-    replicated."""
-    params, static = eqx.partition(model, eqx.is_array)
-    compiled = jax.jit(
-        lambda params, batch: bias(eqx.combine(params, static), batch),
-        in_shardings=(layout.param_shardings(params), layout.rows),
-        out_shardings=layout.replicated,
-    )
-    return lambda model, batch: compiled(eqx.filter(model, eqx.is_array), batch)
 
 
 def train_batches(
