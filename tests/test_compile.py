@@ -100,3 +100,38 @@ def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
         assert getattr(jax.config, "jax_compilation_cache_dir", None) == str(tmp_path / "mine")
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def test_a_second_process_loads_the_training_step_from_the_cache(tmp_path):
+    """The training and evaluation steps of a constant-step run call nothing back on the
+    host (the grid's controller and the solve have no run-time checks), so JAX writes
+    them to the persistent cache and a second process loads them instead of compiling,
+    with equinox's checks left on (``EQX_ON_ERROR`` unset)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "EQX_ON_ERROR"}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_LOG_COMPILES="1",
+    )
+    logs = []
+    for run in ("first", "second"):
+        cmd = [sys.executable, "-m", "ocformer.train", "--config", SMOKE]
+        cmd += ["--workdir", str(tmp_path / run)]
+        for o in (*RUN, "train.steps=2"):
+            cmd += ["--set", o]
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        logs.append(done.stderr)
+    first, second = logs
+    assert "cache hit for 'jit_step'" not in first
+    assert "cache hit for 'jit_step'" in second, second[-3000:]
+    assert "cache hit for 'jit_evaluate" in second or "cache hit for 'jit_eval" in second, [
+        line for line in second.splitlines() if "cache hit" in line
+    ]
+    # Every program of the second process came from the cache.
+    hits = second.count("Persistent compilation cache hit")
+    assert hits == second.count("Finished XLA compilation") > 0, hits

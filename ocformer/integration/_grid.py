@@ -65,12 +65,45 @@ def _jump_flags(solver: diffrax.AbstractSolver, control: AbstractControl, times)
 def constant_controller(
     solver: diffrax.AbstractSolver, control: AbstractControl, ts
 ) -> diffrax.AbstractStepSizeController:
-    """``StepTo`` on ``ts``, or ``StepOverJumps`` where ``solver`` would read a jump."""
+    """``GridSteps`` on ``ts``, or ``StepOverJumps`` where ``solver`` would read a jump."""
     t0, t1 = control.interval
     on_jump = _jump_flags(solver, control, np.linspace(t0, t1, ts.shape[0]))
     if not on_jump.any():
-        return diffrax.StepTo(ts=ts)
+        return GridSteps(ts=ts)
     return StepOverJumps(ts=ts, on_jump=jnp.asarray(on_jump))
+
+
+class GridSteps(diffrax.AbstractStepSizeController):
+    """Steps to the points of ``ts`` in turn, as diffrax's ``StepTo``, from ``ts[0]``.
+
+    Unlike ``StepTo`` it checks nothing at run time: the grid is ``time_grid``'s, made
+    strictly increasing from t0 to t1 (``time_dtype``), and ``solve`` starts at its first
+    point. ``StepTo``'s two checks are ``equinox.error_if`` calls, host callbacks, and
+    JAX never writes a program with a host callback to its persistent compilation
+    cache: without them a training step is compiled once per machine, not once per
+    process.
+
+    Args:
+        ts: the grid, strictly increasing, from the solve's t0 to its t1.
+    """
+
+    ts: Float[Array, " times"]
+
+    def wrap(self, direction):
+        return GridSteps(ts=self.ts * direction)
+
+    def init(self, terms, t0, t1, y0, dt0, args, func, error_order):
+        del terms, t0, t1, y0, args, func, error_order
+        if dt0 is not None:
+            raise ValueError("dt0 must be None: the grid determines the steps.")
+        return self.ts[1], jnp.asarray(2)
+
+    def adapt_step_size(
+        self, t0, t1, y0, y1_candidate, args, y_error, error_order, controller_state
+    ):
+        del t0, y0, y1_candidate, args, y_error, error_order
+        i = jnp.minimum(controller_state, self.ts.shape[0] - 1)
+        return True, t1, self.ts[i], False, controller_state + 1, RESULTS.successful
 
 
 class StepOverJumps(diffrax.AbstractStepSizeController):

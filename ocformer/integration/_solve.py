@@ -40,7 +40,7 @@ def solve(
     adjoint all come from ``discretisation`` and the control's layer grid, here and
     nowhere else:
 
-    - constant steps: ``StepTo`` with ``steps_per_layer`` steps per layer (stepping over
+    - constant steps: ``GridSteps`` with ``steps_per_layer`` steps per layer (stepping over
       the controls' jumps where a Runge-Kutta stage would read them); ``max_steps`` is
       the step count;
     - ``"pid"``: a PID controller that stops at the jumps, starting with one step of
@@ -83,6 +83,10 @@ def solve(
         max_steps=max_steps,
         adjoint=adjoint,
         saveat=diffrax.SaveAt(t1=True) if saveat is None else saveat,
+        # A constant grid takes exactly max_steps steps, none of them rejected: no solve
+        # on it can fail, and throw's check would be a host callback, which keeps the
+        # program out of JAX's persistent compilation cache (``GridSteps``).
+        throw=adaptive,
     )
     if sol.ys is None or jax.tree.leaves(sol.ys)[0].dtype == u0.dtype:
         return sol
