@@ -380,3 +380,32 @@ def test_prefetch_keeps_order_raises_in_the_loop_and_stops():
     blocked.close()
     assert not blocked.thread.is_alive()
     assert not any(t.name == "ocformer-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports PyTorch when it is installed (1.2 s of every run's start);
+    the run's writer loads it with ``torch`` hidden. Here a ``torch`` that ends the
+    process on import stands for an installed PyTorch."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site"
+    fake.mkdir()
+    (fake / "torch.py").write_text("raise SystemExit('torch was imported')\n")
+    code = (
+        "import sys\n"
+        "from ocformer.training._metrics import TensorBoard\n"
+        "tb = TensorBoard(sys.argv[1], None)\n"
+        "tb.scalars(3, {'step': 3, 'loss': 1.5})\n"
+        "tb.close()\n"
+        "print('torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), ROOT])}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "tb")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+    (events,) = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert events.stat().st_size > 0

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import sys
 
 from ..checkpointing import atomic_write_text
 
@@ -122,14 +123,31 @@ def rewind_samples(path: str, step: int) -> None:
         atomic_write_text(path, "".join(kept))
 
 
+def _summary_writer() -> type:
+    """tensorboardX's ``SummaryWriter``, imported without PyTorch.
+
+    tensorboardX imports ``torch`` when it is installed, only to accept its tensors;
+    ocformer logs Python floats and text. Where PyTorch is installed (the benchmarks'
+    extra) that import is 1.2 s of every run's start, so unless ``torch`` or tensorboardX
+    is imported already, ``torch`` is hidden while tensorboardX loads."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoard:
     """Scalars to ``<workdir>/tb``. ``purge_step`` hides events a killed run logged after
     its last checkpoint, so curves do not fold back on resume."""
 
     def __init__(self, logdir: str, purge_step: int | None):
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(logdir, purge_step=purge_step)
+        self.writer = _summary_writer()(logdir, purge_step=purge_step)
 
     def scalars(self, step: int, record: dict) -> None:
         for key, value in record.items():
