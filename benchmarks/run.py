@@ -90,9 +90,12 @@ MODES = {
 }
 
 
-def _end_to_end_once(spec: str, cache: str) -> dict:
+def _end_to_end_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
-        command = [sys.executable, "-m", "ocformer.train", "--config", spec, "--workdir", workdir]
+        command = [sys.executable, "-m", "ocformer.train", "--config", spec]
+        for o in overrides:
+            command += ["--set", o]
+        command += ["--workdir", workdir]
         env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
         env["OCFORMER_COMPILE_CACHE"] = cache
         start = time.perf_counter()
@@ -118,17 +121,18 @@ def _end_to_end_once(spec: str, cache: str) -> dict:
     }
 
 
-def end_to_end(spec: str = f"{DEFAULT_EXPERIMENT}:short") -> dict:
+def end_to_end(spec: str = f"{DEFAULT_EXPERIMENT}:short", overrides: Sequence[str] = ()) -> dict:
     """Run the experiment through the command line, as ``make train`` does, and compare
     its wall clock with ``steps / median(steps_per_s)`` from its own metrics log.
 
     It runs twice, with a persistent compilation cache of its own: first empty (``cold``:
     every program is compiled, as in a machine's first run), then the same command again
     (``warm``: the programs load from the cache the first run filled, as in every later
-    run of the same shapes, the cache being on by default)."""
+    run of the same shapes, the cache being on by default). ``overrides``: ``--set``
+    arguments of both runs."""
     with tempfile.TemporaryDirectory() as cache:
-        cold = _end_to_end_once(spec, cache)
-        warm = _end_to_end_once(spec, cache) if "error" not in cold else None
+        cold = _end_to_end_once(spec, cache, overrides)
+        warm = _end_to_end_once(spec, cache, overrides) if "error" not in cold else None
     return {**cold, "warm_cache": warm}
 
 

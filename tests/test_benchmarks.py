@@ -169,3 +169,21 @@ def test_profile_self_time_subtracts_nested_events():
     assert totals == pytest.approx({"while": 60e-9, "dot": 50e-9, "fusion": 10e-9}, abs=1e-18)
     assert category("dot.3") == "matmul" and category("while.1") == "loop machinery"
     assert category("copy.2") == "data movement"
+
+
+@pytest.mark.slow
+def test_end_to_end_runs_with_an_empty_then_a_warm_cache():
+    """The end-to-end figure: the command line run twice in a compilation cache of its
+    own; the second run loads its programs, so it has less fixed cost, and both train
+    the same numbers."""
+    from benchmarks.run import end_to_end
+
+    smoke = os.path.join(REPO, "experiments", "smoke.py")
+    r = end_to_end(smoke, ("train.steps=30", "train.progress=false"))
+    warm = r["warm_cache"]
+    assert "error" not in r and warm is not None and "error" not in warm, r
+    for run in (r, warm):
+        assert run["steps"] == 30 and run["ratio"] > 1.0
+        assert run["fixed_costs_s"] == pytest.approx(run["wall_clock_s"] - run["training_steps_s"])
+    assert warm["fixed_costs_s"] < r["fixed_costs_s"]
+    assert warm["final_val_loss"] == r["final_val_loss"]
