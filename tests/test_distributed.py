@@ -506,6 +506,54 @@ def test_two_processes_equal_one_and_survive_a_killed_process(env, tmp_path):
     assert sorted(_losses(back)) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(name="distributed")
+def test_two_processes_agree_to_stop_at_a_checked_step(env, tmp_path):
+    """SIGTERM to a run of two processes (the launcher passes it on to both): they agree
+    on it only every ``train.stop_check_every`` steps, so both stop, and checkpoint
+    together, at the first multiple of it after the signal; the run resumes from
+    there."""
+    every = 4
+    workdir = tmp_path / "run"
+    launcher = _launch(
+        env, workdir, "train.steps=100000", "train.checkpoint_every=100000",
+        "train.eval_every=100000", f"train.stop_check_every={every}",
+    )  # fmt: skip
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 1200
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    if launcher.poll() is not None:
+        out, err = launcher.communicate()
+        pytest.fail(f"the run ended before the signal:\n{out[-3000:]}\n{err[-5000:]}")
+    signalled_after = len(metrics.read_text().splitlines())
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+    steps = sorted(_losses(workdir))
+    stopped = steps[-1]
+    assert stopped % every == 0 and stopped >= signalled_after, (stopped, signalled_after)
+    assert steps == list(range(1, stopped + 1))
+    assert sorted(os.listdir(workdir / "checkpoints")) == [f"step_{stopped}"]
+    assert (workdir / "checkpoints" / f"step_{stopped}" / MARKER).exists()
+    # One process, two steps more: the length is a changed field, allowed explicitly.
+    command = _train_command(
+        workdir,
+        f"train.steps={stopped + 2}",
+        "train.checkpoint_every=100000",
+        "train.eval_every=100000",
+    )
+    resumed = subprocess.run(
+        [sys.executable, "-m", "ocformer.train", *command, "--allow-config-change"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"from step {stopped}" in resumed.stdout
+    assert sorted(_losses(workdir)) == list(range(1, stopped + 3))
+
+
 def test_launch_local_stops_the_others_when_one_fails(tmp_path, capsys):
     """A process that fails ends the launch with its code, and the others are stopped:
     here each training process refuses a missing experiment file (exit 2)."""

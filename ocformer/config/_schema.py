@@ -261,6 +261,12 @@ class TrainConfig:
     preempt_grace_s: float = _field(
         30.0, "after SIGTERM, seconds allowed to checkpoint before exiting anyway", gt=0.0
     )
+    stop_check_every: int = _field(
+        10,
+        "a run of several processes agrees whether to stop (SIGTERM) every this many "
+        "steps; a single process checks after every step",
+        ge=1,
+    )
     progress: bool = _field(True, "show a progress bar")
     profile_steps: str | None = _field(
         None, "A:B writes a jax.profiler trace of steps A+1..B to DIR/profile (A < B <= steps)"

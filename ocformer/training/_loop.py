@@ -13,12 +13,14 @@ batch $n$ (``task.batch_rows``) and transfers them to its devices, process 0 alo
 writes logs and samples, checkpoints are written together, and a stop on SIGTERM is
 agreed at the same step by all of them.
 
-In a single process the loop does not wait for the device between steps (a run of
-several processes stays synchronous, see ``train``): batches are prepared ahead by a
+The loop does not wait for the device between steps: batches are prepared ahead by a
 background thread (``_Prefetch``, in order, placed on the devices), the learning rate
 is computed on the device from the optimiser state, and the metrics and finiteness
 flags of each step stay on the device until a step that logs, evaluates, checkpoints
-or stops, where they are fetched and checked. A non-finite update is discarded inside
+or stops, where they are fetched and checked. A single process checks its SIGTERM
+flag after every step; several processes agree on it every ``train.stop_check_every``
+steps, the only steps at which they wait for each other outside the step's own
+program. A non-finite update is discarded inside
 the compiled step in both ``train.on_nonfinite`` modes, so no state the loop holds,
 and no checkpoint, ever contains it; with ``abort`` the run stops at the next such
 step naming the first non-finite update, before anything of a later step is written.
@@ -425,10 +427,9 @@ def train(
 
         produce = train_batches(exp.task, layout, config.task.batch_size, tc.seed)
         loop_started = time.perf_counter()
-        # A run of several processes stays synchronous (batches made in the loop, flags
-        # fetched and the stop agreed every step): its steps are programs across
-        # processes, which must not overlap with the stop query's.
-        prefetch = _Prefetch(produce, step, tc.steps, 0 if several else PREFETCH_DEPTH)
+        # Batches are only placed on the devices (no program runs), so a run of several
+        # processes prefetches them too.
+        prefetch = _Prefetch(produce, step, tc.steps, PREFETCH_DEPTH)
         with bar, prefetch, PreemptionGuard(tc.preempt_grace_s) as guard:
             try:
                 while step < tc.steps:
@@ -454,15 +455,19 @@ def train(
                     evaluated = step % tc.eval_every == 0 or step == tc.steps
                     logged = evaluated or step % tc.log_every == 0 or biased is not None
                     # Every process stops at the same step (a checkpoint is written
-                    # together); processes agree on it at a bounded cadence.
-                    if several:
+                    # together): they agree on it every stop_check_every steps, after
+                    # this step's program has finished everywhere (the query is a
+                    # program across processes too, which must not overlap a step's).
+                    # In between, their steps are dispatched without waiting.
+                    query = several and step % tc.stop_check_every == 0
+                    if query:
                         pending.check_finished()
                         stopping = layout.any_process(guard.requested)
                     else:
-                        stopping = guard.requested
+                        stopping = guard.requested and not several
                     stopping = stopping and step < tc.steps
                     saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
-                    if logged or saving or several:
+                    if logged or saving or query:
                         bad, values = pending.check()
                         if bad and tc.on_nonfinite == "abort":
                             raise NonFiniteError(bad[0][0], bad[0][1], run.checkpoint)

@@ -35,7 +35,7 @@ RUN_MARKER = "ocformer_run.json"
 # Fields that do not change what a run computes: a resumed run may differ in them
 # without --allow-config-change (they are still written to config.json).
 PRESENTATION_FIELDS: frozenset[str] = frozenset(
-    {"train.progress", "train.preempt_grace_s", "mesh.data", "mesh.model"}
+    {"train.progress", "train.preempt_grace_s", "train.stop_check_every", "mesh.data", "mesh.model"}
 )
 
 
