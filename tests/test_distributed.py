@@ -167,7 +167,6 @@ def env(tmp_path_factory):
         XLA_FLAGS=xla_flags(devices=1),
         JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        EQX_ON_ERROR="nan",
         PYTHONUNBUFFERED="1",
         PYTHONPATH=ROOT,
         OCFORMER_DISTRIBUTED_TIMEOUT_S="900",  # a loaded machine starts processes slowly

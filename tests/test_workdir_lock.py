@@ -35,7 +35,7 @@ time.sleep(600)
 @pytest.fixture
 def env():
     e = dict(os.environ)
-    e.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", EQX_ON_ERROR="nan")
+    e.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     return e
 
 
