@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ocformer.integration import GRADIENT_METHODS
 from ocformer.objective import MixedPrecision
 from ocformer.training import build
 
@@ -62,8 +63,9 @@ def _peak_for(device_kind: str) -> float | None:
     return None
 
 
-def _overrides(size: dict, attention: str) -> list[str]:
+def _overrides(size: dict, attention: str, gradient: str | None = None) -> list[str]:
     return [
+        *([] if gradient is None else [f"discretisation.gradient={gradient}"]),
         "model.precision=bfloat16",
         f"model.attention_kernel={attention}",
         f"model.num_layers={size['layers']}",
@@ -114,7 +116,10 @@ def run(
     max_repeats: int,
     dry_run: bool,
     attention: str = "xla",
+    gradients: Sequence[str] = (),
 ):
+    """Time ocformer's step (the default gradient, and each of ``gradients`` as
+    ``ocformer_<name>``: the same model, parameters and optimiser) against flax's."""
     compute_dtype = jnp.bfloat16
     config = experiment_config(_overrides(size, attention))
     task = RandomTokens(size["seq_len"], size["vocab"])
@@ -134,6 +139,16 @@ def run(
         )
     ]
     memory = {"ocformer": jax_compiled(oc_compiled).memory_analysis()}
+    for gradient in gradients:
+        variant = build(experiment_config(_overrides(size, attention, gradient)), task=task)
+        v_jit, v_params = _ocformer_step(variant)
+        v_opt = variant.optimiser.init(v_params)
+        v_compiled, v_compile_s = aot_compile(v_jit, v_params, v_opt, batch)
+        name = f"ocformer_{gradient}"
+        candidates.append(
+            Candidate(name, _Stepper(v_compiled, v_params, v_opt, batch), v_compile_s)
+        )
+        memory[name] = jax_compiled(v_compiled).memory_analysis()
     flax_params = _flax_gpt.params_from_ocformer(exp.model)
     for remat in (False, True):
         name = "flax_remat" if remat else "flax"
@@ -183,6 +198,8 @@ def run(
         "last_loss": losses,
         "ratio_vs_flax": med["ocformer"] / med["flax"],
         "ratio_vs_flax_remat": med["ocformer"] / med["flax_remat"],
+        "ratio_vs_flax_by_gradient": {g: med[f"ocformer_{g}"] / med["flax"] for g in gradients},
+        "mfu_by_gradient": {g: per(f"ocformer_{g}")["mfu"] for g in gradients},
         "by_model": {name: per(name) for name in med},
         "tokens_per_s": tokens / med["ocformer"],
         "mfu": per("ocformer")["mfu"],
@@ -223,7 +240,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="attention kernel of both models: ocformer's model.attention_kernel and the "
         "flax reference's jax.nn.dot_product_attention implementation (cudnn: fused)",
     )
+    parser.add_argument(
+        "--gradients",
+        default="stored,stored_dots",
+        help="further gradient methods of ocformer's step, timed in the same rounds as "
+        "ocformer_<name> (comma-separated; empty for none)",
+    )
     args = parser.parse_args(argv)
+    gradients = tuple(g for g in args.gradients.split(",") if g)
+    unknown = [g for g in gradients if g not in GRADIENT_METHODS]
+    if unknown:
+        print(
+            f"--gradients: unknown method(s) {unknown}; choose from {sorted(GRADIENT_METHODS)}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     backend = jax.default_backend()
     if not args.dry_run and backend != "gpu":
         print(
@@ -243,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         max_repeats=repeats[1],
         dry_run=args.dry_run,
         attention=args.attention,
+        gradients=gradients,
     )
     report = {
         "benchmark": "ocformer GPT training step on one GPU, bfloat16 compute, float32 master",
@@ -259,6 +291,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{'n/a' if result['mfu'] is None else format(result['mfu'], '.3f')}, "
         f"ratio vs flax {result['ratio_vs_flax']:.3f} (remat {result['ratio_vs_flax_remat']:.3f})"
     )
+    for g, ratio in result["ratio_vs_flax_by_gradient"].items():
+        mfu = result["mfu_by_gradient"][g]
+        print(
+            f"  gradient={g}: ratio vs flax {ratio:.3f}, MFU "
+            f"{'n/a' if mfu is None else format(mfu, '.3f')}"
+        )
     if args.json:
         write_json(args.json, report)
     return report

@@ -125,6 +125,8 @@ def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
     refused = _run("benchmarks.gpu", timeout=300)
     assert refused.returncode == 2
     assert "needs an NVIDIA GPU" in refused.stderr and "--dry-run" in refused.stderr
+    bad = _run("benchmarks.gpu", "--dry-run", "--gradients", "stored,nope", timeout=300)
+    assert bad.returncode == 2 and "unknown method(s) ['nope']" in bad.stderr, bad.stderr
 
     out = tmp_path / "gpu.json"
     # The standard rule: jax cannot lower the gradient of its bfloat16
@@ -136,6 +138,13 @@ def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
     assert r["dry_run"] is True and r["compute_dtype"] == "bfloat16"
     for key in ("tokens_per_s", "ratio_vs_flax", "ratio_vs_flax_remat", "model_flops_per_step"):
         assert _finite(r[key]) and r[key] > 0, key
+    # The stored gradients are timed in the same rounds, on the same model.
+    assert sorted(r["ratio_vs_flax_by_gradient"]) == ["stored", "stored_dots"]
+    assert all(_finite(v) and v > 0 for v in r["ratio_vs_flax_by_gradient"].values())
+    for g in ("stored", "stored_dots"):
+        assert r["last_loss"][f"ocformer_{g}"] == pytest.approx(
+            r["last_loss"]["ocformer"], rel=1e-2
+        )
     # bfloat16 losses of the same initial model agree to bfloat16 precision (2^-8).
     losses = r["last_loss"]
     assert all(_finite(v) for v in losses.values())
