@@ -383,7 +383,7 @@ def test_prefetch_keeps_order_raises_in_the_loop_and_stops():
 
 
 def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
-    """tensorboardX imports PyTorch when it is installed (1.2 s of every run's start);
+    """tensorboardX imports PyTorch when it is installed (benchmarks/README.md, end to end);
     the run's writer loads it with ``torch`` hidden. Here a ``torch`` that ends the
     process on import stands for an installed PyTorch."""
     import subprocess

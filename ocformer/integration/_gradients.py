@@ -92,7 +92,7 @@ class OptimiseThenDiscretise(AbstractGradientMethod):
         # inside the projection; any other stepper is its own inner solver.
         kwargs: dict = {"solver": inner_solver(stepper)}
         if not adaptive:
-            # The forward grid (StepTo, or stepping over the control's jumps) is walked
+            # The forward grid (GridSteps, or stepping over the control's jumps) is walked
             # backward from t1: with plain constant steps the first backward stage of
             # every layer would sit on its boundary and read the next layer's controls,
             # which costs an order of the solver.

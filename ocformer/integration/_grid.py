@@ -107,7 +107,7 @@ class GridSteps(diffrax.AbstractStepSizeController):
 
 
 class StepOverJumps(diffrax.AbstractStepSizeController):
-    r"""``StepTo`` on a grid, stepping over the control's jumps as diffrax's
+    r"""``GridSteps`` on a grid, stepping over the control's jumps as diffrax's
     ``ClipStepSizeController(jump_ts=...)`` does for adaptive steps: a step that would
     end on a jump $t_j$ ends at the float just below it, and the next starts at the
     float just above it (with ``made_jump``, so first-same-as-last stages are
@@ -185,8 +185,8 @@ class BackwardGrid(diffrax.AbstractStepSizeController):
     on_jump: tuple[bool, ...] = eqx.field(static=True)
 
     def _controller(self):
-        # Not ``StepTo`` even without jumps: a backward solve may start at any point of
-        # the grid (see ``StepOverJumps``), which ``StepTo`` refuses.
+        # Not ``GridSteps`` even without jumps: a backward solve may start at any point of
+        # the grid (see ``StepOverJumps``), which ``GridSteps`` does not (it starts at the first).
         return StepOverJumps(
             ts=jnp.asarray(self.times[::-1]), on_jump=jnp.asarray(self.on_jump[::-1])
         )

@@ -144,7 +144,7 @@ class Lie(AbstractSplittingSolver):
     r"""Sequential (Lie-Trotter) splitting: each sub-problem over the whole step, in order.
 
     $$u^{n+1} = \Phi^{\delta t}_K \circ \cdots \circ \Phi^{\delta t}_1 (u^n).$$
-    First order. With the post-LN terms, ``StepTo`` on the layer grid and
+    First order. With the post-LN terms, ``GridSteps`` on the layer grid and
     $\delta t = 1$, one step is exactly one post-LN encoder layer (Tai, Liu, Li, Chan,
     arXiv 2510.03989, section 3).
 

@@ -128,8 +128,9 @@ def _summary_writer() -> type:
 
     tensorboardX imports ``torch`` when it is installed, only to accept its tensors;
     ocformer logs Python floats and text. Where PyTorch is installed (the benchmarks'
-    extra) that import is 1.2 s of every run's start, so unless ``torch`` or tensorboardX
-    is imported already, ``torch`` is hidden while tensorboardX loads."""
+    extra) that import would lengthen every run's start (benchmarks/README.md, end to
+    end), so unless ``torch`` or tensorboardX is imported already, ``torch`` is hidden
+    while tensorboardX loads."""
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         from tensorboardX import SummaryWriter
 

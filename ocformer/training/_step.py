@@ -33,9 +33,9 @@ COMPILE_CACHE_ENV = "OCFORMER_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no", "none")
 # Programs that take longer than this to compile are written to the persistent cache:
 # all of them. JAX's default, one second, would leave out most of the steps of small
-# models, and the many small programs of a run's start (parameter initialisation, key
-# splits: 20-100 ms each to compile, about 80 in the default experiment) load from the
-# cache in a fraction of that: 1.6 s less start-up per run, measured on 2 cores.
+# models and the many small programs of a run's start (parameter initialisation, key
+# splits), which load from the cache faster than they compile (benchmarks/README.md,
+# end to end).
 MIN_CACHED_COMPILE_S = 0.0
 
 
