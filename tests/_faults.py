@@ -12,6 +12,7 @@ import sys
 
 import equinox as eqx
 import jax.numpy as jnp
+import numpy as np
 
 from ocformer.training import _loop, _step
 
@@ -49,22 +50,44 @@ def nan_at_update(n: int):
     return make_train_step
 
 
-def flip_bytes(step_dir, count: int = 64, at: float = 0.1) -> str:
+def flip_bytes(step_dir, count: int = 64) -> str:
     """Invert ``count`` bytes of a checkpoint's largest array data file (orbax's OCDBT
-    data under ``ocdbt.process_0/d``), starting ``at`` (a fraction) into it; returns
-    the file. The data is zstd-compressed in blocks: at 10% of the largest file of a
-    smoke run's checkpoint the damaged block still decompresses, so orbax reads the
-    arrays back without an error, with other bytes."""
+    data under ``ocdbt.process_0/d``) so that orbax still reads the arrays back, with
+    other bytes: the case the marker's SHA-256 checksums catch. Returns the file.
+
+    The data is zstd-compressed in blocks, and where the flipped bytes fall depends on
+    the compressed layout (which the checkpoint's contents, paths included, change): in
+    a block's header or entropy tables they make it unreadable. So the offsets 10 %,
+    11 %, ..., 90 % into the file are tried in turn (then with one byte instead of
+    ``count``), each checked with ``CheckpointManager.restore``, until one gives a
+    checkpoint that reads back and fails its checksums."""
+    from ocformer.checkpointing import CheckpointError, CheckpointManager, ChecksumMismatch
+
+    step_dir = os.fspath(step_dir)
     folder = os.path.join(step_dir, "ocdbt.process_0", "d")
     names = sorted(os.listdir(folder), key=lambda n: os.path.getsize(os.path.join(folder, n)))
     path = os.path.join(folder, names[-1])
-    offset = int(os.path.getsize(path) * at)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        data = f.read(count)
-        f.seek(offset)
-        f.write(bytes(b ^ 0xFF for b in data))
-    return path
+    with open(path, "rb") as f:
+        original = f.read()
+    step = int(os.path.basename(step_dir).removeprefix("step_"))
+    with CheckpointManager(os.path.dirname(step_dir)) as manager:
+        leaves = manager.read_marker(step)["leaves"]
+        template = [np.zeros(leaf["shape"], leaf["dtype"]) for leaf in leaves]
+        for n, percent in itertools.product((count, 1), range(10, 91)):
+            offset = len(original) * percent // 100
+            damaged = bytearray(original)
+            damaged[offset : offset + n] = bytes(b ^ 0xFF for b in damaged[offset : offset + n])
+            with open(path, "wb") as f:
+                f.write(damaged)
+            try:
+                manager.restore(step, template)
+            except ChecksumMismatch:
+                return path
+            except CheckpointError:
+                pass  # unreadable there: try the next offset
+    with open(path, "wb") as f:
+        f.write(original)
+    raise AssertionError(f"no offset in {path} gives a checkpoint orbax still reads")
 
 
 def main(argv: list[str]) -> int:
