@@ -136,6 +136,11 @@ def end_to_end(spec: str = f"{DEFAULT_EXPERIMENT}:short", overrides: Sequence[st
     return {**cold, "warm_cache": warm}
 
 
+def _ratio(run: dict | None) -> float | None:
+    """An end-to-end run's ratio; None where it did not run or failed."""
+    return None if not run or "ratio" not in run else run["ratio"]
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.run", description=__doc__.split("\n")[0]
@@ -221,10 +226,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         },
         "flops_fraction": step["flops_fraction"],
         "tokens_per_s": step["tokens_per_s"],
-        "end_to_end_ratio": None if e2e is None or "ratio" not in e2e else e2e["ratio"],
-        "end_to_end_ratio_warm_cache": None
-        if e2e is None or not e2e.get("warm_cache") or "ratio" not in e2e["warm_cache"]
-        else e2e["warm_cache"]["ratio"],
+        "end_to_end_ratio": _ratio(e2e),
+        "end_to_end_ratio_warm_cache": _ratio(e2e and e2e["warm_cache"]),
         "train_step": step,
         "matmul_peak": peak,
         "scan": {"headline": headline["name"], "results": scans},

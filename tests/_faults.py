@@ -55,9 +55,9 @@ def flip_bytes(step_dir, count: int = 64) -> str:
     data under ``ocdbt.process_0/d``) so that orbax still reads the arrays back, with
     other bytes: the case the marker's SHA-256 checksums catch. Returns the file.
 
-    The data is zstd-compressed in blocks, and where the flipped bytes fall depends on
-    the compressed layout (which the checkpoint's contents, paths included, change): in
-    a block's header or entropy tables they make it unreadable. So the offsets 10 %,
+    The data is zstd-compressed in blocks, and orbax lays the data files out differently
+    from one save to the next, so what a given offset hits varies: in a block's header
+    or entropy tables the flipped bytes make the checkpoint unreadable. So the offsets 10 %,
     11 %, ..., 90 % into the file are tried in turn (then with one byte instead of
     ``count``), each checked with ``CheckpointManager.restore``, until one gives a
     checkpoint that reads back and fails its checksums."""

@@ -205,3 +205,37 @@ def test_bfloat16_state_is_solved_on_a_float32_grid_and_cast_back():
     float32 = model.solve(u0.astype(jnp.float32)).ys
     assert float32 is not None
     assert float(jnp.max(jnp.abs(float32[-1] - reference[-1].astype(jnp.float32)))) > 1e-3
+
+
+def test_grid_steps_take_diffrax_step_to_steps_without_host_callbacks():
+    """``GridSteps`` against diffrax's own ``StepTo`` on the same non-uniform grid: the
+    same step times and states, bit for bit, forward and backward in time; and, unlike
+    ``StepTo``, no host callback in the compiled solve (``throw=False``, as ``solve``
+    passes for a constant grid). A ``dt0`` is refused."""
+    import equinox as eqx
+
+    from ocformer.integration._grid import GridSteps
+
+    term = diffrax.ODETerm(lambda t, y, args: -y * (1.0 + jnp.sin(t)))
+    grid = jnp.asarray([0.0, 0.3, 0.5, 1.2, 2.0])
+    y0 = jnp.asarray([1.0, -2.0])
+
+    def run(controller, ts, throw):
+        return diffrax.diffeqsolve(
+            term, diffrax.Heun(), ts[0], ts[-1], None, y0, stepsize_controller=controller,
+            saveat=diffrax.SaveAt(steps=True), max_steps=ts.shape[0] - 1, throw=throw,
+        )  # fmt: skip
+
+    for ts in (grid, -grid):  # -grid: backward in time, from 0 to -2
+        ours = eqx.filter_jit(run)(GridSteps(ts=ts), ts, False)
+        theirs = eqx.filter_jit(run)(diffrax.StepTo(ts=ts), ts, False)
+        np.testing.assert_array_equal(np.asarray(ours.ts), np.asarray(ts[1:]))
+        np.testing.assert_array_equal(np.asarray(ours.ts), np.asarray(theirs.ts))
+        np.testing.assert_array_equal(np.asarray(ours.ys), np.asarray(theirs.ys))
+    ours_hlo = eqx.filter_jit(run).lower(GridSteps(ts=grid), grid, False).as_text()
+    theirs_hlo = eqx.filter_jit(run).lower(diffrax.StepTo(ts=grid), grid, False).as_text()
+    assert "callback" not in ours_hlo and "callback" in theirs_hlo
+    with pytest.raises(ValueError, match="dt0 must be None"):
+        diffrax.diffeqsolve(
+            term, diffrax.Heun(), 0.0, 2.0, 0.1, y0, stepsize_controller=GridSteps(ts=grid)
+        )

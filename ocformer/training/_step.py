@@ -31,10 +31,10 @@ FINITE_SOURCES: tuple[str, ...] = ("loss", "gradients", "parameters")
 # _OFF to leave it off.
 COMPILE_CACHE_ENV = "OCFORMER_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no", "none")
-# Programs that take longer than this to compile are written to the persistent cache:
-# all of them. JAX's default, one second, would leave out most of the steps of small
-# models and the many small programs of a run's start (parameter initialisation, key
-# splits), which load from the cache faster than they compile (benchmarks/README.md,
+# The shortest compilation whose program is written to the persistent cache: none, so
+# every program is. JAX's default, one second, would leave out most of the steps of
+# small models and the many small programs of a run's start (parameter initialisation,
+# key splits), which load from the cache faster than they compile (benchmarks/README.md,
 # end to end).
 MIN_CACHED_COMPILE_S = 0.0
 
