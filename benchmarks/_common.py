@@ -4,8 +4,10 @@ and package versions, the measured matmul peak, and the default experiment's obj
 import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +116,33 @@ def jax_compiled(compiled) -> jax.stages.Compiled:
     """The ``jax.stages.Compiled`` of an ahead-of-time compilation; ``eqx.filter_jit``
     wraps it (with its argument filtering) in a module holding it as ``.compiled``."""
     return compiled if isinstance(compiled, jax.stages.Compiled) else compiled.compiled
+
+
+# Bytes per element of the HLO element types a copy can have.
+_HLO_ELEMENT_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+}  # fmt: skip
+_HLO_COPY = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (\w+)\[([\d,]*)\]\S* copy\(")
+
+
+def entry_copies(compiled) -> dict:
+    """The ``copy`` instructions at the top level of a compiled program (the entry
+    computation of XLA's optimised HLO, outside every loop): how many, and the bytes
+    they write. A differentiated ``lax.scan`` starts each residual stack from a zero
+    array that XLA copies into it (benchmarks/README.md, the stored gradient on the
+    CPU); these are those copies, and any others of the program."""
+    text = jax_compiled(compiled).as_text() or ""
+    start = text.find("\nENTRY ")
+    entry = text[start : text.find("\n}", start)] if start >= 0 else ""
+    count = nbytes = 0
+    for line in entry.splitlines():
+        m = _HLO_COPY.match(line)
+        if m and m.group(1) in _HLO_ELEMENT_BYTES:
+            count += 1
+            dims = [int(d) for d in m.group(2).split(",") if d]
+            nbytes += _HLO_ELEMENT_BYTES[m.group(1)] * math.prod(dims)
+    return {"count": count, "bytes": nbytes}
 
 
 def log_log_slope(xs: Sequence[float], ys: Sequence[float]) -> float:

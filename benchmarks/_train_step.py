@@ -25,6 +25,7 @@ from ._common import (
     CompileCounter,
     aot_compile,
     donated,
+    entry_copies,
     experiment_config,
     experiment_task,
     time_interleaved,
@@ -147,6 +148,7 @@ def run(
     opt_state = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
     jitted, params = donated(loop_step, exp.model)
     oc_compiled, oc_compile_s = aot_compile(jitted, params, opt_state, batch)
+    copies = {"ocformer": entry_copies(oc_compiled)}
     cost = oc_compiled.cost_analysis()
     xla_flops = float(cost.get("flops", float("nan"))) if isinstance(cost, dict) else math.nan
 
@@ -190,6 +192,7 @@ def run(
         v_compiled, v_compile_s = aot_compile(v_jitted, v_params, v_opt_state, batch)
         v_loss = float(variant.objective(variant.model, batch)[1]["task_loss"])
         name = f"ocformer_{gradient}"
+        copies[name] = entry_copies(v_compiled)
         candidates.append(
             Candidate(
                 name,
@@ -209,6 +212,7 @@ def run(
         p0 = copy(flax_params)
         o0 = exp.optimiser.init(p0)
         compiled, compile_s = aot_compile(step, p0, o0, batch)
+        copies[name] = entry_copies(compiled)
         candidates.append(Candidate(name, _Stepper(compiled, (p0, o0), (batch,), 2), compile_s))
         flax_info[name] = {"loss_rel_diff_vs_ocformer": _rel(loss, oc_loss)}
 
@@ -236,6 +240,9 @@ def run(
         },
         "timing": timings,
         "compile_s": {c.name: c.compile_s for c in candidates if c.compile_s is not None},
+        # The top-level copies of each compiled step (entry_copies), e.g. the zero
+        # arrays copied into a differentiated scan's residual stacks.
+        "entry_copies": copies,
         "ratio_vs_flax": med["ocformer"] / med["flax"],
         "ratio_vs_flax_remat": med["ocformer"] / med["flax_remat"],
         "ratio_vs_flax_by_gradient": {g: med[f"ocformer_{g}"] / med["flax"] for g in gradient_info},

@@ -39,6 +39,7 @@ from ._common import (
     Candidate,
     RandomTokens,
     aot_compile,
+    entry_copies,
     experiment_config,
     jax_compiled,
     machine_info,
@@ -139,6 +140,7 @@ def run(
         )
     ]
     memory = {"ocformer": jax_compiled(oc_compiled).memory_analysis()}
+    copies = {"ocformer": entry_copies(oc_compiled)}
     for gradient in gradients:
         variant = build(experiment_config(_overrides(size, attention, gradient)), task=task)
         v_jit, v_params = _ocformer_step(variant)
@@ -149,6 +151,7 @@ def run(
             Candidate(name, _Stepper(v_compiled, v_params, v_opt, batch), v_compile_s)
         )
         memory[name] = jax_compiled(v_compiled).memory_analysis()
+        copies[name] = entry_copies(v_compiled)
     flax_params = _flax_gpt.params_from_ocformer(exp.model)
     for remat in (False, True):
         name = "flax_remat" if remat else "flax"
@@ -164,6 +167,7 @@ def run(
         o0 = exp.optimiser.init(p0)
         compiled, compile_s = aot_compile(step, p0, o0, batch)
         memory[name] = compiled.memory_analysis()
+        copies[name] = entry_copies(compiled)
         candidates.append(Candidate(name, _Stepper(compiled, p0, o0, batch), compile_s))
     del oc_params, oc_opt, flax_params
 
@@ -185,6 +189,9 @@ def run(
             "mfu": None if peak is None else flops / med[name] / peak,
             "mfu_vs_measured_matmul": flops / med[name] / measured_peak["median_flop_per_s"],
             "compiled_peak_bytes": _peak_bytes(memory[name]),
+            # Top-level copies of the compiled step (benchmarks._common.entry_copies):
+            # whether the residual stacks' zero fill is copied on this backend too.
+            "entry_copies": copies[name],
         }
 
     losses = {c.name: float(c.run.loss) for c in candidates}
@@ -293,9 +300,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     for g, ratio in result["ratio_vs_flax_by_gradient"].items():
         mfu = result["mfu_by_gradient"][g]
+        copied = result["by_model"][f"ocformer_{g}"]["entry_copies"]["bytes"]
         print(
             f"  gradient={g}: ratio vs flax {ratio:.3f}, MFU "
-            f"{'n/a' if mfu is None else format(mfu, '.3f')}"
+            f"{'n/a' if mfu is None else format(mfu, '.3f')}, "
+            f"top-level copies {copied / 1e6:.1f} MB (flax: "
+            f"{result['by_model']['flax']['entry_copies']['bytes'] / 1e6:.1f} MB)"
         )
     if args.json:
         write_json(args.json, report)

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks._common import log_log_slope
+from benchmarks._common import entry_copies, log_log_slope
 from benchmarks._gpt import GPTShape, model_flops_per_token
 from benchmarks.profile_step import _self_times_of_line, category
 
@@ -93,6 +93,10 @@ def test_tiny_run_writes_every_key(tmp_path):
     assert step["params"]["ocformer"] == step["params"]["reference"]
     # Every timed step, the loop's own call included, was compiled once, before timing.
     assert step["compilations_while_timing"] == 0
+    # The stored gradient's scan copies zero arrays into its residual stacks; the
+    # unrolled flax step has no such copy (benchmarks/README.md).
+    copies = step["entry_copies"]
+    assert copies["ocformer_stored"]["bytes"] > 100 * max(copies["flax"]["bytes"], 1), copies
     assert {"ocformer", "ocformer_loop_call", "flax", "flax_remat"} <= set(step["timing"])
     for t in step["timing"].values():
         assert 0 < t["min_s"] <= t["median_s"] <= t["max_s"]
@@ -145,10 +149,45 @@ def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
         assert r["last_loss"][f"ocformer_{g}"] == pytest.approx(
             r["last_loss"]["ocformer"], rel=1e-2
         )
+    copies = {name: m["entry_copies"]["bytes"] for name, m in r["by_model"].items()}
+    assert copies["ocformer_stored"] > 100 * max(copies["flax"], 1), copies
     # bfloat16 losses of the same initial model agree to bfloat16 precision (2^-8).
     losses = r["last_loss"]
     assert all(_finite(v) for v in losses.values())
     assert abs(losses["ocformer"] - losses["flax"]) < 0.05 * abs(losses["flax"])
+
+
+class _Compiled:
+    """What entry_copies reads of a compiled program: its optimised HLO text."""
+
+    def __init__(self, text):
+        self.compiled = self
+        self.text = text
+
+    def as_text(self):
+        return self.text
+
+
+def test_entry_copies_counts_the_top_level_copies_and_their_bytes():
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %copy.1 = f32[4,8]{1,0} copy(%x), metadata={op_name="inside the loop"}
+}
+
+ENTRY %main.2 (a: f32[4,8], b: bf16[3]) -> (f32[4,8], bf16[3]) {
+  %wrapped_broadcast = f32[4,8]{1,0} fusion(%constant), kind=kLoop
+  %copy.2 = f32[4,8]{1,0} copy(%wrapped_broadcast), metadata={op_name="a"}
+  %copy.3 = f32[4,8]{1,0} copy(%wrapped_broadcast)
+  %copy_fusion = f32[4,8]{1,0} fusion(%a), kind=kLoop, calls=%copy_computation
+  ROOT %copy.4 = bf16[3]{0} copy(%b)
+  %copy.5 = (f32[2], f32[2]) copy(%t)
+}
+"""
+    # Two f32[4,8] copies (128 bytes each) and one bf16[3] (6 bytes); the copy inside
+    # the loop body, the fusion and the tuple-shaped copy are not counted.
+    assert entry_copies(_Compiled(hlo)) == {"count": 3, "bytes": 2 * 128 + 6}
+    assert entry_copies(_Compiled("HloModule empty\n")) == {"count": 0, "bytes": 0}
 
 
 def test_model_flops_follow_the_written_convention():
