@@ -50,6 +50,7 @@ METHODS = (
     "direct",
     "stored",
     "stored_dots",
+    "stored_projections",
 )
 DEFAULT_METHOD = METHODS[0]
 
@@ -61,7 +62,7 @@ def method_overrides(method: str) -> list[str]:
         return [f"{gradient}=discretise_then_optimise"]
     if method == "optimise_then_discretise_backsolve_heun":
         return ["discretisation.stepper=heun", f"{gradient}=optimise_then_discretise"]
-    if method in ("direct", "stored", "stored_dots"):
+    if method in ("direct", "stored", "stored_dots", "stored_projections"):
         return [f"{gradient}={method}"]
     raise ValueError(f"Unknown method {method!r}; expected one of {METHODS}.")
 

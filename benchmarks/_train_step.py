@@ -123,7 +123,7 @@ def run(
     random_tokens: bool = False,
     peak_flop_per_s: float | None = None,
     seed: int = 0,
-    gradients=("stored",),
+    gradients=("stored", "stored_dots", "stored_projections"),
 ) -> dict:
     """Time one training step of ocformer, flax (plain and remat) and PyTorch.
 

@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     parser.add_argument(
         "--gradients",
-        default="stored,stored_dots",
+        default="stored,stored_dots,stored_projections",
         help="further gradient methods of ocformer's step, timed in the same rounds as "
         "ocformer_<name> (comma-separated; empty for none)",
     )

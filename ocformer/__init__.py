@@ -18,6 +18,7 @@ from .integration import (
     DiscretiseThenOptimise as DiscretiseThenOptimise,
     OptimiseThenDiscretise as OptimiseThenDiscretise,
     StoredDots as StoredDots,
+    StoredProjections as StoredProjections,
     StoredResiduals as StoredResiduals,
 )
 from .models import (

@@ -37,6 +37,7 @@ METHODS = (
     "direct",
     "stored",
     "stored_dots",
+    "stored_projections",
 )
 
 
@@ -143,9 +144,9 @@ def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
     for key in ("tokens_per_s", "ratio_vs_flax", "ratio_vs_flax_remat", "model_flops_per_step"):
         assert _finite(r[key]) and r[key] > 0, key
     # The stored gradients are timed in the same rounds, on the same model.
-    assert sorted(r["ratio_vs_flax_by_gradient"]) == ["stored", "stored_dots"]
+    assert sorted(r["ratio_vs_flax_by_gradient"]) == ["stored", "stored_dots", "stored_projections"]
     assert all(_finite(v) and v > 0 for v in r["ratio_vs_flax_by_gradient"].values())
-    for g in ("stored", "stored_dots"):
+    for g in ("stored", "stored_dots", "stored_projections"):
         assert r["last_loss"][f"ocformer_{g}"] == pytest.approx(
             r["last_loss"]["ocformer"], rel=1e-2
         )

@@ -105,6 +105,7 @@ def test_registry_names():
         "direct",
         "stored",
         "stored_dots",
+        "stored_projections",
     }
     for name, cls in GRADIENT_METHODS.items():
         assert cls.name == name

@@ -1,6 +1,7 @@
 """The stored-residual gradient methods: plain reverse mode through the scanned steps of
-a constant grid, with every step's intermediate values kept (``stored``) or only its
-matrix products (``stored_dots``).
+a constant grid, with every step's intermediate values kept (``stored``), only its
+matrix products (``stored_dots``), or only the products without batch dimensions, the
+feature-wise linear maps (``stored_projections``).
 
 They differentiate the same discrete objective as discretise-then-optimise, so in
 float64 their gradients equal its gradients to rounding, and their forward values
@@ -26,6 +27,7 @@ from ocformer.integration import (
     Discretisation,
     DiscretiseThenOptimise,
     StoredDots,
+    StoredProjections,
     StoredResiduals,
 )
 from ocformer.models import Choices, IncompatibleError, rediscretise, refusals
@@ -72,7 +74,7 @@ def test_stored_gradient_equals_discretise_then_optimise(case):
     value, grad = loss_and_grad(objective, make(DiscretiseThenOptimise()), BATCH)
     methods: list[AbstractGradientMethod] = [StoredResiduals()]
     if case != "heun-piecewise_constant-running_costs":
-        methods.append(StoredDots())
+        methods += [StoredDots(), StoredProjections()]
     for method in methods:
         v, g = loss_and_grad(objective, make(method), BATCH)
         assert float(v) == float(value), (method.name, float(v), float(value))
@@ -94,15 +96,23 @@ def _sub_jaxprs(value):
             yield from _sub_jaxprs(v)
 
 
-def _count(jaxpr, names) -> int:
-    """Equations whose primitive is in ``names``, in ``jaxpr`` and every sub-jaxpr."""
+def _count(jaxpr, names, where=lambda eqn: True) -> int:
+    """Equations whose primitive is in ``names`` (and that satisfy ``where``), in
+    ``jaxpr`` and every sub-jaxpr."""
     n = 0
     for eqn in jaxpr.eqns:
-        n += eqn.primitive.name in names
+        n += eqn.primitive.name in names and where(eqn)
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
-                n += _count(sub, names)
+                n += _count(sub, names, where)
     return n
+
+
+def _batched(eqn) -> bool:
+    """A ``dot_general`` with batch dimensions (attention's products over the tokens,
+    per batch element and head), unlike the feature-wise linear maps."""
+    (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+    return len(lhs_batch) > 0
 
 
 def _solve_loss(model):
@@ -124,28 +134,42 @@ def test_backward_pass_recomputes_nothing():
     forward for ``stored``: its backward pass applies transposes to stored values and
     recomputes nothing. Discretise-then-optimise recomputes each step in its backward
     pass, so they appear more often there, and so does each matrix product (measured:
-    non-linear 6 in the forward, 6 / 13 / 11 in the gradients of ``stored`` /
-    discretise-then-optimise / ``stored_dots``; matrix products 8 in the forward, 24 /
-    32 / 24). ``stored_dots`` recomputes the element-wise work but no matrix product."""
+    non-linear 6 in the forward, 6 / 13 / 11 / 11 in the gradients of ``stored`` /
+    discretise-then-optimise / ``stored_dots`` / ``stored_projections``; matrix
+    products 8 in the forward, 2 of them with batch dimensions, and 24 / 32 / 24 / 26).
+    ``stored_dots`` recomputes the element-wise work but no matrix product;
+    ``stored_projections`` recomputes attention's two products over the tokens too,
+    and none of the feature-wise linear maps."""
     counts = {}
-    for method in (DiscretiseThenOptimise(), StoredResiduals(), StoredDots()):
+    methods = (DiscretiseThenOptimise(), StoredResiduals(), StoredDots(), StoredProjections())
+    for method in methods:
         f, params = _solve_loss(build("pre", None, 2, method))
         forward = jax.make_jaxpr(f)(params).jaxpr
         backward = jax.make_jaxpr(jax.grad(f))(params).jaxpr
         counts[method.name] = {
             "nonlinear": (_count(forward, _NONLINEAR), _count(backward, _NONLINEAR)),
             "dots": (_count(forward, {"dot_general"}), _count(backward, {"dot_general"})),
+            "batched": _count(forward, {"dot_general"}, _batched),
         }
-    stored, dto, dots = (counts[n] for n in ("stored", "discretise_then_optimise", "stored_dots"))
+    stored, dto, dots, projections = (
+        counts[n]
+        for n in ("stored", "discretise_then_optimise", "stored_dots", "stored_projections")
+    )
     assert stored["nonlinear"][0] > 0 and stored["nonlinear"][1] == stored["nonlinear"][0]
     assert dto["nonlinear"][1] > dto["nonlinear"][0], counts
     assert dots["nonlinear"][1] > dots["nonlinear"][0], counts
+    assert projections["nonlinear"][1] > projections["nonlinear"][0], counts
     assert stored["dots"][0] == dto["dots"][0] == dots["dots"][0] > 0, counts
+    assert projections["dots"][0] == stored["dots"][0], counts
     assert stored["dots"][1] == dots["dots"][1] < dto["dots"][1], counts
+    # The products with batch dimensions, and only those, are computed again.
+    batched = projections["batched"]
+    assert 0 < batched < projections["dots"][0], counts
+    assert projections["dots"][1] == stored["dots"][1] + batched < dto["dots"][1], counts
 
 
 def test_stored_methods_refuse_adaptive_steps():
-    for name in ("stored", "stored_dots"):
+    for name in ("stored", "stored_dots", "stored_projections"):
         choices = Choices(
             stepper="tsit5",
             stepper_kind="explicit",
@@ -162,13 +186,15 @@ def test_stored_methods_refuse_adaptive_steps():
     with pytest.raises(IncompatibleError, match="gradient='stored'"):
         rediscretise(model, stepsize="pid", gradient=StoredResiduals())
     # The method itself refuses too, for an adjoint asked for outside a model.
-    with pytest.raises(ValueError, match="stepsize='constant'"):
-        StoredResiduals().adjoint(diffrax.Tsit5(), model.transformer.control, 1, True)
+    for method in (StoredResiduals(), StoredDots(), StoredProjections()):
+        with pytest.raises(ValueError, match="stepsize='constant'"):
+            method.adjoint(diffrax.Tsit5(), model.transformer.control, 1, True)
 
 
 def test_registry_and_config_take_the_stored_methods():
     assert GRADIENT_METHODS["stored"] is StoredResiduals
     assert GRADIENT_METHODS["stored_dots"] is StoredDots
+    assert GRADIENT_METHODS["stored_projections"] is StoredProjections
     assert isinstance(Discretisation(gradient=StoredDots()).gradient, StoredDots)
     smoke = "experiments/smoke.py"
     config = resolve(smoke, ["discretisation.gradient=stored_dots"])

@@ -25,6 +25,7 @@ from ._gradients import (
     DiscretiseThenOptimise as DiscretiseThenOptimise,
     OptimiseThenDiscretise as OptimiseThenDiscretise,
     StoredDots as StoredDots,
+    StoredProjections as StoredProjections,
     StoredResiduals as StoredResiduals,
 )
 from ._grid import (

@@ -226,7 +226,33 @@ class StoredDots(AbstractGradientMethod):
         return _StoredAdjoint(policy=jax.checkpoint_policies.dots_saveable)
 
 
-CONSTANT_STEP_METHODS: tuple[str, ...] = (StoredResiduals.name, StoredDots.name)
+class StoredProjections(AbstractGradientMethod):
+    r"""``StoredResiduals`` with a selective rematerialisation policy: each step is
+    wrapped in ``jax.checkpoint`` with
+    ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, so the forward pass
+    stores the results of the feature-wise linear maps (the Q/K/V and output
+    projections, the feed-forward maps: products without batch dimensions) and the
+    backward pass recomputes attention's own products over the tokens (the scores and
+    their application, products with batch and head dimensions), the softmax and the
+    element-wise work. This is the selective activation recomputation of large
+    Transformer training: the stored part grows with the tokens, the recomputed part
+    is the cheapest to redo per byte it would take to keep. Less memory than
+    ``StoredDots``; constant steps only."""
+
+    name: ClassVar[str] = "stored_projections"
+
+    def adjoint(self, stepper, control, steps_per_layer, adaptive):
+        del stepper, control, steps_per_layer
+        if adaptive:
+            _refuse_adaptive(self.name)
+        return _StoredAdjoint(policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
+CONSTANT_STEP_METHODS: tuple[str, ...] = (
+    StoredResiduals.name,
+    StoredDots.name,
+    StoredProjections.name,
+)
 """The gradient methods that need a constant-step grid (``ocformer.models.RULES``)."""
 
 GRADIENT_METHODS: dict[str, type[AbstractGradientMethod]] = {
@@ -235,5 +261,6 @@ GRADIENT_METHODS: dict[str, type[AbstractGradientMethod]] = {
     Direct.name: Direct,
     StoredResiduals.name: StoredResiduals,
     StoredDots.name: StoredDots,
+    StoredProjections.name: StoredProjections,
 }
 """Gradient methods by name; each class is constructible with no arguments."""

@@ -367,7 +367,7 @@ def msa_refusals(
                 "mode through the layer maps), so that it is exact for the discretised "
                 "problem; optimise_then_discretise is the continuous adjoint. Use "
                 "discretisation.gradient=discretise_then_optimise (or direct, stored, "
-                "stored_dots: all give the discrete costate)",
+                "stored_dots, stored_projections: all give the discrete costate)",
             )
         )
     if control_smoothness > 0:
