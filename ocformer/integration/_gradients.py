@@ -184,7 +184,22 @@ def _refuse_adaptive(name: str) -> None:
     )
 
 
-class StoredResiduals(AbstractGradientMethod):
+class _AbstractStored(AbstractGradientMethod):
+    """A gradient method that scans the steps of a constant grid and keeps residuals:
+    all of them, or what the ``jax.checkpoint_policies`` policy named by
+    ``_policy`` saves."""
+
+    _policy: ClassVar[str | None] = None
+
+    def adjoint(self, stepper, control, steps_per_layer, adaptive):
+        del stepper, control, steps_per_layer
+        if adaptive:
+            _refuse_adaptive(self.name)
+        policy = None if self._policy is None else getattr(jax.checkpoint_policies, self._policy)
+        return _StoredAdjoint(policy=policy)
+
+
+class StoredResiduals(_AbstractStored):
     r"""Backpropagation through the scheme with every step's residuals kept: the exact
     gradient of the discrete $J$, like discretise-then-optimise, without recomputing
     any step in the backward pass.
@@ -201,14 +216,8 @@ class StoredResiduals(AbstractGradientMethod):
 
     name: ClassVar[str] = "stored"
 
-    def adjoint(self, stepper, control, steps_per_layer, adaptive):
-        del stepper, control, steps_per_layer
-        if adaptive:
-            _refuse_adaptive(self.name)
-        return _StoredAdjoint()
 
-
-class StoredDots(AbstractGradientMethod):
+class StoredDots(_AbstractStored):
     r"""``StoredResiduals`` with a rematerialisation policy: each step is wrapped in
     ``jax.checkpoint`` with ``jax.checkpoint_policies.dots_saveable``, so the forward
     pass stores the results of the matrix products (the projections, the attention
@@ -218,15 +227,10 @@ class StoredDots(AbstractGradientMethod):
     ``DiscretiseThenOptimise``; constant steps only."""
 
     name: ClassVar[str] = "stored_dots"
-
-    def adjoint(self, stepper, control, steps_per_layer, adaptive):
-        del stepper, control, steps_per_layer
-        if adaptive:
-            _refuse_adaptive(self.name)
-        return _StoredAdjoint(policy=jax.checkpoint_policies.dots_saveable)
+    _policy: ClassVar[str | None] = "dots_saveable"
 
 
-class StoredProjections(AbstractGradientMethod):
+class StoredProjections(_AbstractStored):
     r"""``StoredResiduals`` with a selective rematerialisation policy: each step is
     wrapped in ``jax.checkpoint`` with
     ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, so the forward pass
@@ -235,17 +239,12 @@ class StoredProjections(AbstractGradientMethod):
     backward pass recomputes attention's own products over the tokens (the scores and
     their application, products with batch and head dimensions), the softmax and the
     element-wise work. This is the selective activation recomputation of large
-    Transformer training: the stored part grows with the tokens, the recomputed part
-    is the cheapest to redo per byte it would take to keep. Less memory than
+    Transformer training: what it keeps grows linearly with the context, where the
+    attention scores ``StoredDots`` keeps grow with its square. Less memory than
     ``StoredDots``; constant steps only."""
 
     name: ClassVar[str] = "stored_projections"
-
-    def adjoint(self, stepper, control, steps_per_layer, adaptive):
-        del stepper, control, steps_per_layer
-        if adaptive:
-            _refuse_adaptive(self.name)
-        return _StoredAdjoint(policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    _policy: ClassVar[str | None] = "dots_with_no_batch_dims_saveable"
 
 
 CONSTANT_STEP_METHODS: tuple[str, ...] = (
