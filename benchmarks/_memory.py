@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import equinox as eqx
 import jax.numpy as jnp
 
-from ocformer.integration import DiscretiseThenOptimise
+from ocformer.integration import GRADIENT_METHODS, DiscretiseThenOptimise
 from ocformer.models import rediscretise
 from ocformer.training import build
 
@@ -62,7 +62,7 @@ def method_overrides(method: str) -> list[str]:
         return [f"{gradient}=discretise_then_optimise"]
     if method == "optimise_then_discretise_backsolve_heun":
         return ["discretisation.stepper=heun", f"{gradient}=optimise_then_discretise"]
-    if method in ("direct", "stored", "stored_dots", "stored_projections"):
+    if method in METHODS and method in GRADIENT_METHODS:  # the registry's own name
         return [f"{gradient}={method}"]
     raise ValueError(f"Unknown method {method!r}; expected one of {METHODS}.")
 

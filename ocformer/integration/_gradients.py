@@ -189,6 +189,8 @@ class _AbstractStored(AbstractGradientMethod):
     all of them, or what the ``jax.checkpoint_policies`` policy named by
     ``_policy`` saves."""
 
+    # The policy's name, not the function: a function stored on the class would be
+    # bound as a method when read through ``self``.
     _policy: ClassVar[str | None] = None
 
     def adjoint(self, stepper, control, steps_per_layer, adaptive):
