@@ -105,6 +105,8 @@ def _end_to_end_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
             return {"error": proc.stderr[-2000:], "command": " ".join(command[1:])}
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
+        with open(os.path.join(workdir, "summary.json")) as f:
+            summary = json.load(f)
     rates = [r["steps_per_s"] for r in records if "steps_per_s" in r]
     steps = max(r["step"] for r in records)
     train_s = steps / statistics.median(rates)
@@ -117,6 +119,9 @@ def _end_to_end_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
         "median_step_s": 1.0 / statistics.median(rates),
         "ratio": wall / train_s,
         "fixed_costs_s": wall - train_s,
+        # Where the wall clock went, from the run's summary.json: the process before
+        # train() (interpreter, imports, configuration), then train()'s own parts.
+        "time_s": {"before_train": wall - summary["wall_time_s"], **summary["time_s"]},
         "final_val_loss": val[-1] if val else None,
     }
 
@@ -301,11 +306,20 @@ def format_summary(r: dict) -> str:
             for k, v in r["memory_vs_depth"].items()
         ),
     ]
-    if r["end_to_end_ratio"] is not None:
-        lines.append(f"end_to_end_ratio {r['end_to_end_ratio']:.3f} (empty compilation cache)")
-    if r["end_to_end_ratio_warm_cache"] is not None:
-        lines.append(f"end_to_end_ratio_warm_cache {r['end_to_end_ratio_warm_cache']:.3f}")
+    e2e = r.get("end_to_end") or {}
+    for key, run, label in (
+        ("end_to_end_ratio", e2e, "empty compilation cache"),
+        ("end_to_end_ratio_warm_cache", e2e.get("warm_cache"), "warm cache"),
+    ):
+        if r[key] is not None:
+            lines.append(f"{key} {r[key]:.3f} ({label}): {_time_split(run)}")
     return "\n".join(lines)
+
+
+def _time_split(run: dict) -> str:
+    """An end-to-end run's wall clock and where it went."""
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in run.get("time_s", {}).items())
+    return f"{run['wall_clock_s']:.1f} s wall, {run['training_steps_s']:.1f} s of steps; {parts}"
 
 
 if __name__ == "__main__":

@@ -223,8 +223,9 @@ def test_profile_self_time_subtracts_nested_events():
 @pytest.mark.slow
 def test_end_to_end_runs_with_an_empty_then_a_warm_cache():
     """The end-to-end figure: the command line run twice in a compilation cache of its
-    own; the second run loads its programs, so it has less fixed cost, and both train
-    the same numbers."""
+    own; the second run loads its programs, so it has less fixed cost (its step is
+    loaded, not compiled), and both train the same numbers; each run's parts (from its
+    summary.json) add up to its wall clock."""
     from benchmarks.run import end_to_end
 
     smoke = os.path.join(REPO, "experiments", "smoke.py")
@@ -234,5 +235,10 @@ def test_end_to_end_runs_with_an_empty_then_a_warm_cache():
     for run in (r, warm):
         assert run["steps"] == 30 and run["ratio"] > 1.0
         assert run["fixed_costs_s"] == pytest.approx(run["wall_clock_s"] - run["training_steps_s"])
+        parts = run["time_s"]  # the process before train(), then train()'s parts
+        assert list(parts)[:2] == ["before_train", "setup"] and min(parts.values()) >= 0
+        assert sum(parts.values()) == pytest.approx(run["wall_clock_s"], rel=0.05)
     assert warm["fixed_costs_s"] < r["fixed_costs_s"]
+    # Loading the step from the cache is faster than compiling it.
+    assert warm["time_s"]["step_compilation"] < r["time_s"]["step_compilation"]
     assert warm["final_val_loss"] == r["final_val_loss"]

@@ -20,6 +20,7 @@ from ocformer.config import resolve
 from ocformer.training import (
     RUN_MARKER,
     ConfigChanged,
+    ExitCode,
     RunDirectory,
     WorkdirError,
     _loop,
@@ -602,7 +603,7 @@ def test_empty_directory_is_claimed_and_marked(tmp_path):
     with open(tmp_path / "run" / RUN_MARKER, encoding="utf-8") as f:
         assert "created" in json.load(f)
     assert sorted(os.listdir(tmp_path / "run")) == [
-        ".lock", "config.json", RUN_MARKER, "run.json", "tb"
+        ".lock", "config.json", RUN_MARKER, "run.json", "summary.json", "tb"
     ]  # fmt: skip
 
 
@@ -627,3 +628,27 @@ def test_rows_lost_before_the_checkpoint_are_reported(reference, tmp_path, capsy
     err = capsys.readouterr().err
     assert f"ends at step 5 but the restored checkpoint is step {STEPS}" in err
     assert f"steps 6..{STEPS} are missing" in err
+
+
+def test_summary_json_is_the_last_finished_run_and_where_its_time_went(
+    reference, tmp_path, monkeypatch
+):
+    """summary.json holds what the command prints at the end, with the run's wall time
+    split into setup, the step's compilation, steps, evaluation, sampling and
+    checkpoints (adding up to the wall time of train()); a resumed run that fails
+    leaves no summary of the earlier one."""
+    with open(reference / "summary.json", encoding="utf-8") as f:
+        summary = json.load(f)
+    assert summary["step"] == STEPS and summary["resumed_from"] is None
+    assert summary["val_loss"] == read_metrics(reference)[-1]["val_loss"]
+    parts = summary["time_s"]
+    assert list(parts) == list(_loop._Timings.PARTS)
+    for part in ("setup", "step_compilation", "steps", "evaluation", "checkpoints"):
+        assert parts[part] > 0, (part, parts)
+    total = sum(parts.values())
+    assert 0.9 * summary["wall_time_s"] < total <= summary["wall_time_s"], parts
+    workdir = copy_of(reference, tmp_path)
+    monkeypatch.setattr(_loop, "make_train_step", nan_at_update(1))
+    code = cli.main(argv(workdir, "train.steps=14", flags=["--allow-config-change"]))
+    assert code == ExitCode.NON_FINITE
+    assert not (workdir / "summary.json").exists()

@@ -26,6 +26,7 @@ and no checkpoint, ever contains it; with ``abort`` the run stops at the next su
 step naming the first non-finite update, before anything of a later step is written.
 """
 
+import contextlib
 import math
 import os
 import queue
@@ -304,6 +305,31 @@ class _Evaluation:
         return self.tc.sample_prompt + self.task.decode(tokens)
 
 
+class _Timings:
+    """Where a run's wall time goes: seconds per part, summed over its spans."""
+
+    PARTS = ("setup", "step_compilation", "steps", "evaluation", "sampling", "checkpoints")
+
+    def __init__(self):
+        self.seconds: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
+
+    @contextlib.contextmanager
+    def span(self, part: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] += time.perf_counter() - t
+
+    def report(self, setup_s: float, loop_s: float) -> dict:
+        """``{part: seconds}``: ``setup`` up to the loop, ``steps`` the loop's time
+        outside the other parts (its steps and its own work between them)."""
+        out = {**self.seconds, "setup": setup_s}
+        inside = sum(v for k, v in self.seconds.items() if k not in ("setup", "steps"))
+        out["steps"] = max(loop_s - inside, 0.0)
+        return out
+
+
 class _Throughput:
     """Training steps and units (tokens or examples) per second between two logs."""
 
@@ -313,6 +339,11 @@ class _Throughput:
 
     def restart(self) -> None:
         self.t, self.steps = time.perf_counter(), 0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (spent on something else, e.g. a checkpoint) out of this
+        window."""
+        self.t += seconds
 
     def rate(self) -> dict:
         now = time.perf_counter()
@@ -342,8 +373,10 @@ def train(
             learning rate is announced.
 
     Returns:
-        A summary: ``step``, ``loss`` (last training loss), ``val_loss``,
-        ``val_accuracy``, ``skipped_steps``, ``wall_time_s``, ``data_wait_fraction``
+        A summary, also written to ``summary.json``: ``step``, ``loss`` (last training
+        loss), ``val_loss``, ``val_accuracy``, ``skipped_steps``, ``wall_time_s``,
+        ``time_s`` (``wall_time_s`` by part: ``setup``, ``step_compilation``,
+        ``steps``, ``evaluation``, ``sampling``, ``checkpoints``), ``data_wait_fraction``
         (the share of the loop's wall time spent waiting for a batch),
         ``resumed_from``, ``workdir`` and the paths of the outputs that exist (None
         for the others).
@@ -426,6 +459,8 @@ def train(
         several = layout.processes > 1
 
         produce = train_batches(exp.task, layout, config.task.batch_size, tc.seed)
+        timings = _Timings()
+        first_step = step + 1  # its call traces and compiles the step (or loads it)
         loop_started = time.perf_counter()
         # Batches are only placed on the devices (no program runs), so a run of several
         # processes prefetches them too.
@@ -446,7 +481,9 @@ def train(
                         except eqx.EquinoxRuntimeError as e:
                             raise SolverFailure.from_error(step, e) from None
                     try:
-                        model, opt_state, metrics, finite = train_step(model, opt_state, batch)
+                        part = "step_compilation" if step == first_step else "steps"
+                        with timings.span(part):
+                            model, opt_state, metrics, finite = train_step(model, opt_state, batch)
                     except eqx.EquinoxRuntimeError as e:
                         raise SolverFailure.from_error(step, e) from None
                     pending.add(step, finite, metrics)
@@ -480,7 +517,8 @@ def train(
                         last = {"step": step, **values, "skipped_steps": skipped, "lr": lr}
                     if logged:
                         # Training throughput only: measured before evaluation and
-                        # sampling, whose time is then excluded from the next window.
+                        # sampling, whose time is then excluded from the next window
+                        # (as a checkpoint's is, below).
                         rate = throughput.rate()
                         rate["data_wait_fraction"] = prefetch.wait_s / max(
                             time.perf_counter() - loop_started, 1e-9
@@ -490,9 +528,12 @@ def train(
                             last.update({k: float(v) for k, v in jax.device_get(biased).items()})
                             reason = fallback.after_bias(last["grad_cosine"])
                         if evaluated:
-                            last.update(evaluation(model, step))
+                            with timings.span("evaluation"):
+                                last.update(evaluation(model, step))
                             reason = fallback.after_evaluation(last["val_loss"]) or reason
-                            if (text := evaluation.sample(model, key, step)) is not None:
+                            with timings.span("sampling"):
+                                text = evaluation.sample(model, key, step)
+                            if text is not None:
                                 run.sample(step, text)
                                 bar.write(f"--- sample at step {step} ---\n{text}\n---")
                             throughput.restart()
@@ -518,12 +559,17 @@ def train(
                         bar.set_postfix({"loss": f"{last['loss']:.4f}", **speed}, refresh=False)
                     bar.update(1)
                     if saving:
-                        run.save(step, _to_tree(model, opt_state, key, step, skipped), config)
+                        saved = time.perf_counter()
+                        with timings.span("checkpoints"):
+                            tree = _to_tree(model, opt_state, key, step, skipped)
+                            run.save(step, tree, config)
+                        throughput.exclude(time.perf_counter() - saved)
                     if stopping:
                         raise Preempted(step, run.checkpoint)
             finally:
                 profile.stop()
         loop_s = time.perf_counter() - loop_started
+        time_s = timings.report(loop_started - started, loop_s)
         if not last:  # nothing left to do: report the run's last record
             history = run.metrics.read()
             last = history[-1] if history else {}
@@ -534,11 +580,13 @@ def train(
             "val_accuracy": last.get("val_accuracy"),
             "skipped_steps": skipped,
             "wall_time_s": time.perf_counter() - started,
+            "time_s": time_s,
             "data_wait_fraction": prefetch.wait_s / loop_s if loop_s > 0 else 0.0,
             "resumed_from": resumed_from,
             "workdir": run.path,
             **run.outputs(),
         }
+        run.finish(summary)
     if is_primary():
         _print_summary(summary)
     return summary
@@ -568,6 +616,16 @@ def _fmt(value, spec=".4f") -> str:
     return format(value, spec)
 
 
+_TIME_LABELS = {
+    "setup": "setup",
+    "step_compilation": "step compilation",
+    "steps": "steps",
+    "evaluation": "evaluation",
+    "sampling": "sampling",
+    "checkpoints": "checkpoints",
+}
+
+
 def _print_summary(s: dict) -> None:
     lines = [
         "",
@@ -581,6 +639,8 @@ def _print_summary(s: dict) -> None:
         )
         + (f"   skipped updates {s['skipped_steps']}" if s["skipped_steps"] else "")
         + f"   waiting for data {100 * s['data_wait_fraction']:.1f}% of the loop",
+        "  time  "
+        + ", ".join(f"{_TIME_LABELS[k]} {v:.1f}s" for k, v in s["time_s"].items() if v >= 0.05),
         f"  outputs in {s['workdir']}",
     ]
     if s["metrics"]:

@@ -10,6 +10,7 @@ recorded in ``config_history.jsonl``, so that the directory keeps describing eve
 of its history.
 """
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -135,7 +136,8 @@ class RunDirectory:
     Files: the marker ``ocformer_run.json``, ``config.json`` (the resolved
     configuration), ``run.json`` (command, versions, revision, platform),
     ``config_history.jsonl`` (allowed configuration changes), ``metrics.jsonl``,
-    TensorBoard events under ``tb/``, ``samples.txt`` and ``checkpoints/step_<n>/``.
+    TensorBoard events under ``tb/``, ``samples.txt``, ``checkpoints/step_<n>/`` and
+    ``summary.json`` (the summary of the last run that finished).
 
     Use: ``RunDirectory(path)`` checks the path string; ``check(config)`` inspects the
     directory without changing it; ``start(...)`` claims it, restores the newest
@@ -171,6 +173,7 @@ class RunDirectory:
         self.path = os.path.abspath(text)
         self.config_path = os.path.join(self.path, "config.json")
         self.history_path = os.path.join(self.path, "config_history.jsonl")
+        self.summary_path = os.path.join(self.path, "summary.json")
         self.samples_path = os.path.join(self.path, "samples.txt")
         self.tb_path = os.path.join(self.path, "tb")
         self.metrics = MetricsLog(os.path.join(self.path, "metrics.jsonl"))
@@ -327,6 +330,9 @@ class RunDirectory:
             )
         self._record(config, argv, step, changes or {}, init_from)
         self._continue_logs(config, step)
+        # The summary describes a run that finished: this one has not yet.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.summary_path)
         return step, restored
 
     def _restore(self, template):
@@ -462,6 +468,13 @@ class RunDirectory:
         assert self.checkpoints is not None, "RunDirectory.start first"
         self.checkpoint = self.checkpoints.save(step, tree, {"config": to_dict(config)})
         return self.checkpoint
+
+    def finish(self, summary: dict) -> None:
+        """Write the summary of the run that ends (``summary.json``, replacing an
+        earlier segment's; process 0 only)."""
+        if not self.primary:
+            return
+        atomic_write_text(self.summary_path, json.dumps(summary, indent=2, default=float))
 
     def outputs(self) -> dict[str, str | None]:
         """The outputs that exist: ``metrics``, ``tensorboard``, ``checkpoint``,
