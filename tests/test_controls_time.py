@@ -239,3 +239,46 @@ def test_grid_steps_take_diffrax_step_to_steps_without_host_callbacks():
         diffrax.diffeqsolve(
             term, diffrax.Heun(), 0.0, 2.0, 0.1, y0, stepsize_controller=GridSteps(ts=grid)
         )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"init_scale": 0.02, "norm_affine": "scalar"}, {"biases": False, "output_map": False}],
+)
+def test_initial_controls_are_the_jax_formula_bit_for_bit(dtype, options):
+    """The initial controls (assembled with NumPy around jax's draws) are bitwise
+    what the formula gives in jax, layer by layer: one key per layer, six per layer's
+    kernels, (init_scale / sqrt(fan_in)) N(0, 1), minus the identity for the
+    feed-forward maps, zero biases, layer-norm sets (0, 1)."""
+    key, scale = jr.key(3), options.get("init_scale", 1.0)
+    stacked = init_stacked_params(key, L, D, DFF, dtype=dtype, **options)
+    for layer, k in enumerate(jr.split(key, L)):
+        kq, kk, kv, ko, k1, k2 = jr.split(k, 6)
+
+        def kernel(k, din, dout):
+            return (scale / jnp.sqrt(din)) * jr.normal(k, (din, dout), dtype)
+
+        zero = jnp.zeros((D,), dtype) if options.get("biases", True) else None
+        want = {
+            "wq": kernel(kq, D, D),
+            "wk": kernel(kk, D, D),
+            "wv": kernel(kv, D, D),
+            "wo": kernel(ko, D, D) if options.get("output_map", True) else None,
+            "bq": zero,
+            "w1": kernel(k1, D, DFF) - jnp.eye(D, DFF, dtype=dtype),
+            "w2": kernel(k2, DFF, D) - jnp.eye(DFF, D, dtype=dtype),
+        }
+        a, ff = stacked.attention, stacked.feedforward
+        got = {"wq": a.wq, "wk": a.wk, "wv": a.wv, "wo": a.wo, "bq": a.bq,
+               "w1": ff.weights[0], "w2": ff.weights[1]}  # fmt: skip
+        for name, w in want.items():
+            if w is None:
+                assert got[name] is None, name
+                continue
+            g = np.asarray(got[name][layer])
+            assert g.dtype == w.dtype and g.tobytes() == np.asarray(w).tobytes(), name
+        affine = () if options.get("norm_affine") == "scalar" else (D,)
+        for norm in (stacked.norm1, stacked.norm2):
+            assert norm.scale[layer].shape == affine and np.all(np.asarray(norm.scale) == 1)
+            assert np.all(np.asarray(norm.bias) == 0)

@@ -1,10 +1,12 @@
 """Random initial controls."""
 
+import inspect
 from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 
 from ._params import AttentionParams, FeedForwardParams, LayerParams, NormParams
 
@@ -43,31 +45,83 @@ def init_layer_params(
         init_scale: multiplies every kernel's standard deviation.
         dtype: floating dtype of the arrays.
     """
+    _check(norm_affine, width, hidden)
+    draws = _draws(key, width, hidden, output_map, dtype)
+    return _assemble(draws, (), width, hidden, biases=biases, output_map=output_map,
+                     norm_affine=norm_affine, init_scale=init_scale, dtype=dtype)  # fmt: skip
+
+
+# The keyword arguments of init_layer_params, which init_stacked_params takes too.
+_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(init_layer_params).parameters.items()
+    if p.kind is p.KEYWORD_ONLY
+}
+
+
+def _check(norm_affine: str, width: int, hidden: int) -> None:
     if norm_affine not in NORM_AFFINES:
         raise ValueError(f"norm_affine must be one of {NORM_AFFINES}, got {norm_affine!r}.")
     if width < 1 or hidden < 1:
         raise ValueError(f"width and hidden must be >= 1, got {width}, {hidden}.")
-    kq, kk, kv, ko, k1, k2 = jr.split(key, 6)
 
-    def kernel(k, din, dout):
-        return (init_scale / jnp.sqrt(din)) * jr.normal(k, (din, dout), dtype)
+
+def _draws(key, width: int, hidden: int, output_map: bool, dtype) -> dict:
+    """The standard normal draws of one layer's kernels, one key each."""
+    kq, kk, kv, ko, k1, k2 = jr.split(key, 6)
+    draws = {
+        "wq": jr.normal(kq, (width, width), dtype),
+        "wk": jr.normal(kk, (width, width), dtype),
+        "wv": jr.normal(kv, (width, width), dtype),
+        "w1": jr.normal(k1, (width, hidden), dtype),
+        "w2": jr.normal(k2, (hidden, width), dtype),
+    }
+    if output_map:
+        draws["wo"] = jr.normal(ko, (width, width), dtype)
+    return draws
+
+
+def _assemble(
+    draws: dict, lead: tuple, width: int, hidden: int, *, biases: bool, output_map: bool,
+    norm_affine: str, init_scale: float, dtype,
+) -> LayerParams:  # fmt: skip
+    """The parameters from the draws (with ``lead``, the layer axis, in front).
+
+    Everything but the draws is computed with NumPy: each eager jax operation would be a
+    program of its own, compiled (or loaded from the compilation cache) on its first
+    call; for the default experiment that was 16 programs, 0.8 s of a first run's
+    start and 0.3 s of a later one's. NumPy's float arithmetic rounds as XLA's does, so the
+    values are bitwise ``(init_scale / jnp.sqrt(fan_in)) * draw``, ``- jnp.eye``,
+    ``jnp.zeros`` and ``jnp.ones`` (``tests/test_controls_time.py`` checks it)."""
+    real = np.dtype(jax.dtypes.canonicalize_dtype(float))  # a weak Python float's dtype
+    dtype = np.dtype(dtype)
+
+    def kernel(name, fan_in, minus_identity=False):
+        scale = (np.asarray(init_scale, real) / np.sqrt(np.asarray(fan_in, real))).astype(dtype)
+        w = np.asarray(draws[name]) * scale
+        if minus_identity:
+            w = w - np.eye(*w.shape[-2:], dtype=dtype)
+        return jnp.asarray(w)
+
+    def const(fill, n):
+        return jnp.asarray(np.full((*lead, *n), fill, dtype))
 
     def zeros(n):
-        return jnp.zeros((n,), dtype) if biases else None
+        return const(0, (n,)) if biases else None
 
     shape = (width,) if norm_affine == "feature" else ()
 
     def norm():
-        return NormParams(scale=jnp.ones(shape, dtype), bias=jnp.zeros(shape, dtype))
+        return NormParams(scale=const(1, shape), bias=const(0, shape))
 
-    w1 = kernel(k1, width, hidden) - jnp.eye(width, hidden, dtype=dtype)
-    w2 = kernel(k2, hidden, width) - jnp.eye(hidden, width, dtype=dtype)
+    w1 = kernel("w1", width, minus_identity=True)
+    w2 = kernel("w2", hidden, minus_identity=True)
     return LayerParams(
         attention=AttentionParams(
-            wq=kernel(kq, width, width),
-            wk=kernel(kk, width, width),
-            wv=kernel(kv, width, width),
-            wo=kernel(ko, width, width) if output_map else None,
+            wq=kernel("wq", width),
+            wk=kernel("wk", width),
+            wv=kernel("wv", width),
+            wo=kernel("wo", width) if output_map else None,
             bq=zeros(width),
             bk=zeros(width),
             bv=zeros(width),
@@ -84,5 +138,9 @@ def init_stacked_params(key, num_layers: int, width: int, hidden: int, **kwargs)
     axis (the values of a ``PiecewiseConstant`` control); one key per layer."""
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}.")
+    options = {**_DEFAULTS, **kwargs}
+    _check(options["norm_affine"], width, hidden)
     keys = jr.split(key, num_layers)
-    return jax.vmap(lambda k: init_layer_params(k, width, hidden, **kwargs))(keys)
+    output_map, dtype = options["output_map"], options["dtype"]
+    draws = jax.vmap(lambda k: _draws(k, width, hidden, output_map, dtype))(keys)
+    return _assemble(draws, (num_layers,), width, hidden, **options)
