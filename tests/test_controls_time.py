@@ -1,6 +1,7 @@
 """Controls as functions of time: values, derivatives, construction, and refinement."""
 
 import diffrax
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
@@ -15,6 +16,7 @@ from ocformer.controls import (
     PiecewiseConstant,
     PiecewiseLinear,
     basis_functions,
+    init_layer_params,
     init_stacked_params,
     make_control,
 )
@@ -282,3 +284,17 @@ def test_initial_controls_are_the_jax_formula_bit_for_bit(dtype, options):
         for norm in (stacked.norm1, stacked.norm2):
             assert norm.scale[layer].shape == affine and np.all(np.asarray(norm.scale) == 1)
             assert np.all(np.asarray(norm.bias) == 0)
+
+
+def test_initial_controls_under_transformations():
+    """``init_layer_params`` vmapped over one key per layer is ``init_stacked_params``
+    bit for bit, and it traces under ``jax.jit`` (to the same values, up to the
+    compiler's rounding)."""
+    key = jr.key(5)
+    stacked = init_stacked_params(key, L, D, DFF, init_scale=0.3)
+    vmapped = jax.vmap(lambda k: init_layer_params(k, D, DFF, init_scale=0.3))(jr.split(key, L))
+    for a, b in zip(jtu.tree_leaves(stacked), jtu.tree_leaves(vmapped), strict=True):
+        assert a.dtype == b.dtype and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    jitted = jax.jit(lambda k: init_layer_params(k, D, DFF, init_scale=0.3))(jr.split(key, L)[1])
+    for a, b in zip(jtu.tree_leaves(jitted), jtu.tree_leaves(stacked), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b)[1], rtol=1e-6, atol=0)

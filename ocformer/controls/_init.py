@@ -4,6 +4,7 @@ import inspect
 from typing import Literal, get_args
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -87,24 +88,30 @@ def _assemble(
 ) -> LayerParams:  # fmt: skip
     """The parameters from the draws (with ``lead``, the layer axis, in front).
 
-    Everything but the draws is computed with NumPy: each eager jax operation would be a
-    program of its own, compiled (or loaded from the compilation cache) on its first
-    call; for the default experiment that was 16 programs, 0.8 s of a first run's
-    start and 0.3 s of a later one's. NumPy's float arithmetic rounds as XLA's does, so the
-    values are bitwise ``(init_scale / jnp.sqrt(fan_in)) * draw``, ``- jnp.eye``,
-    ``jnp.zeros`` and ``jnp.ones`` (``tests/test_controls_time.py`` checks it)."""
+    Called eagerly, everything but the draws is computed with NumPy: each eager jax
+    operation would be a program of its own, compiled (or loaded from the compilation
+    cache) on its first call; for the default experiment that was 16 programs, 0.8 s of
+    a first run's start and 0.3 s of a later one's. NumPy's float arithmetic rounds as
+    XLA's does, so the values are bitwise ``(init_scale / jnp.sqrt(fan_in)) * draw``,
+    ``- jnp.eye``, ``jnp.zeros`` and ``jnp.ones`` (``tests/test_controls_time.py``
+    checks it). Under a transformation (the draws are tracers) that formula is traced."""
+    traced = any(isinstance(d, jax.core.Tracer) for d in draws.values())
+    xp = jnp if traced else np
     real = np.dtype(jax.dtypes.canonicalize_dtype(float))  # a weak Python float's dtype
     dtype = np.dtype(dtype)
 
     def kernel(name, fan_in, minus_identity=False):
-        scale = (np.asarray(init_scale, real) / np.sqrt(np.asarray(fan_in, real))).astype(dtype)
-        w = np.asarray(draws[name]) * scale
+        if traced:
+            w = (init_scale / jnp.sqrt(fan_in)) * draws[name]
+        else:
+            scale = np.asarray(init_scale, real) / np.sqrt(np.asarray(fan_in, real))
+            w = np.asarray(draws[name]) * scale.astype(dtype)
         if minus_identity:
-            w = w - np.eye(*w.shape[-2:], dtype=dtype)
+            w = w - xp.eye(*w.shape[-2:], dtype=dtype)
         return jnp.asarray(w)
 
     def const(fill, n):
-        return jnp.asarray(np.full((*lead, *n), fill, dtype))
+        return jnp.asarray(xp.full((*lead, *n), fill, dtype))
 
     def zeros(n):
         return const(0, (n,)) if biases else None

@@ -305,6 +305,9 @@ class _Evaluation:
         return self.tc.sample_prompt + self.task.decode(tokens)
 
 
+_untimed = contextlib.nullcontext()
+
+
 class _Timings:
     """Where a run's wall time goes: seconds per part, summed over its spans."""
 
@@ -481,8 +484,8 @@ def train(
                         except eqx.EquinoxRuntimeError as e:
                             raise SolverFailure.from_error(step, e) from None
                     try:
-                        part = "step_compilation" if step == first_step else "steps"
-                        with timings.span(part):
+                        first = step == first_step
+                        with timings.span("step_compilation") if first else _untimed:
                             model, opt_state, metrics, finite = train_step(model, opt_state, batch)
                     except eqx.EquinoxRuntimeError as e:
                         raise SolverFailure.from_error(step, e) from None
