@@ -226,7 +226,7 @@ def test_end_to_end_runs_with_an_empty_then_a_warm_cache():
     own; the second run loads its programs, so it has less fixed cost (its step is
     loaded, not compiled), and both train the same numbers; each run's parts (from its
     summary.json) add up to its wall clock."""
-    from benchmarks.run import end_to_end
+    from benchmarks.run import _time_split, end_to_end
 
     smoke = os.path.join(REPO, "experiments", "smoke.py")
     r = end_to_end(smoke, ("train.steps=30", "train.progress=false"))
@@ -241,4 +241,6 @@ def test_end_to_end_runs_with_an_empty_then_a_warm_cache():
     assert warm["fixed_costs_s"] < r["fixed_costs_s"]
     # Loading the step from the cache is faster than compiling it.
     assert warm["time_s"]["step_compilation"] < r["time_s"]["step_compilation"]
+    line = _time_split(warm)  # the summary's line
+    assert line.startswith(f"{warm['wall_clock_s']:.1f} s wall") and "step_compilation" in line
     assert warm["final_val_loss"] == r["final_val_loss"]
