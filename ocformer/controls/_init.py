@@ -88,15 +88,17 @@ def _assemble(
 ) -> LayerParams:  # fmt: skip
     """The parameters from the draws (with ``lead``, the layer axis, in front).
 
-    Called eagerly, everything but the draws is computed with NumPy: each eager jax
-    operation would be a program of its own, compiled (or loaded from the compilation
-    cache) on its first call; for the default experiment that was 16 programs, 0.8 s of
-    a first run's start and 0.3 s of a later one's. NumPy's float arithmetic rounds as
-    XLA's does, so the values are bitwise ``(init_scale / jnp.sqrt(fan_in)) * draw``,
-    ``- jnp.eye``, ``jnp.zeros`` and ``jnp.ones`` (``tests/test_controls_time.py``
+    Called eagerly, everything but the draws is computed with NumPy and transferred with
+    ``jax.device_put``: each eager jax operation (``jnp.asarray`` of a NumPy array too)
+    would be a program of its own, compiled (or loaded from the compilation cache) on
+    its first call, 21 of them for the default experiment. NumPy's float arithmetic
+    rounds as XLA's does, so the values are bitwise ``(init_scale / jnp.sqrt(fan_in)) *
+    draw``, ``- jnp.eye``, ``jnp.zeros`` and ``jnp.ones`` (``tests/test_controls_time.py``
     checks it). Under a transformation (the draws are tracers) that formula is traced."""
     traced = any(isinstance(d, jax.core.Tracer) for d in draws.values())
     xp = jnp if traced else np
+    # jax.device_put transfers a NumPy array; jnp.asarray would compile a copy per shape.
+    to_jax = jnp.asarray if traced else jax.device_put
     real = np.dtype(jax.dtypes.canonicalize_dtype(float))  # a weak Python float's dtype
     dtype = np.dtype(dtype)
 
@@ -108,10 +110,10 @@ def _assemble(
             w = np.asarray(draws[name]) * scale.astype(dtype)
         if minus_identity:
             w = w - xp.eye(*w.shape[-2:], dtype=dtype)
-        return jnp.asarray(w)
+        return to_jax(w)
 
     def const(fill, n):
-        return jnp.asarray(xp.full((*lead, *n), fill, dtype))
+        return to_jax(xp.full((*lead, *n), fill, dtype))
 
     def zeros(n):
         return const(0, (n,)) if biases else None

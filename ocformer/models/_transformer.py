@@ -46,7 +46,8 @@ _AVERAGED_FFN, _CLOSING_NORM = 2, 3
 
 
 def _feature_width(control: AbstractControl) -> int:
-    return int(control(control.interval[0]).attention.wq.shape[-1])
+    # By shape only: an eager evaluation would compile a program per parameter.
+    return int(jax.eval_shape(control, control.interval[0]).attention.wq.shape[-1])
 
 
 def _control_kind(control: AbstractControl) -> str:
@@ -173,7 +174,7 @@ class ContinuousTransformer(eqx.Module):
     def choices(self) -> Choices:
         """This model's equation and discretisation as the plain values of the rules."""
         d = self.discretisation
-        norm2 = self.control(self.control.interval[0]).norm2
+        norm2 = jax.eval_shape(self.control, self.control.interval[0]).norm2  # shapes only
         depth: dict = {}
         if d.depth_parallel is not None:
             coarse = describe_stepper(d.depth_parallel.coarse_stepper)
