@@ -309,12 +309,17 @@ _untimed = contextlib.nullcontext()
 
 
 class _Timings:
-    """Where a run's wall time goes: seconds per part, summed over its spans."""
+    """Where a run's wall time goes: seconds per part of the loop, summed over its
+    spans; ``report`` adds ``setup`` and ``steps`` (the loop's remaining time)."""
 
     PARTS = ("setup", "step_compilation", "steps", "evaluation", "sampling", "checkpoints")
 
     def __init__(self):
-        self.seconds: dict[str, float] = dict.fromkeys(self.PARTS, 0.0)
+        spanned = [p for p in self.PARTS if p not in ("setup", "steps")]
+        self.seconds: dict[str, float] = dict.fromkeys(spanned, 0.0)
+
+    def add(self, part: str, seconds: float) -> None:
+        self.seconds[part] += seconds
 
     @contextlib.contextmanager
     def span(self, part: str):
@@ -322,15 +327,14 @@ class _Timings:
         try:
             yield
         finally:
-            self.seconds[part] += time.perf_counter() - t
+            self.add(part, time.perf_counter() - t)
 
     def report(self, setup_s: float, loop_s: float) -> dict:
-        """``{part: seconds}``: ``setup`` up to the loop, ``steps`` the loop's time
-        outside the other parts (its steps and its own work between them)."""
-        out = {**self.seconds, "setup": setup_s}
-        inside = sum(v for k, v in self.seconds.items() if k not in ("setup", "steps"))
-        out["steps"] = max(loop_s - inside, 0.0)
-        return out
+        """``{part: seconds}`` in the order of ``PARTS``: ``setup`` up to the loop,
+        ``steps`` the loop's time outside the other parts (its steps and its own work
+        between them)."""
+        rest = {"setup": setup_s, "steps": max(loop_s - sum(self.seconds.values()), 0.0)}
+        return {p: {**self.seconds, **rest}[p] for p in self.PARTS}
 
 
 class _Throughput:
@@ -562,11 +566,11 @@ def train(
                         bar.set_postfix({"loss": f"{last['loss']:.4f}", **speed}, refresh=False)
                     bar.update(1)
                     if saving:
-                        saved = time.perf_counter()
-                        with timings.span("checkpoints"):
-                            tree = _to_tree(model, opt_state, key, step, skipped)
-                            run.save(step, tree, config)
-                        throughput.exclude(time.perf_counter() - saved)
+                        t = time.perf_counter()
+                        run.save(step, _to_tree(model, opt_state, key, step, skipped), config)
+                        saving_s = time.perf_counter() - t
+                        timings.add("checkpoints", saving_s)
+                        throughput.exclude(saving_s)
                     if stopping:
                         raise Preempted(step, run.checkpoint)
             finally:
@@ -619,16 +623,6 @@ def _fmt(value, spec=".4f") -> str:
     return format(value, spec)
 
 
-_TIME_LABELS = {
-    "setup": "setup",
-    "step_compilation": "step compilation",
-    "steps": "steps",
-    "evaluation": "evaluation",
-    "sampling": "sampling",
-    "checkpoints": "checkpoints",
-}
-
-
 def _print_summary(s: dict) -> None:
     lines = [
         "",
@@ -643,7 +637,7 @@ def _print_summary(s: dict) -> None:
         + (f"   skipped updates {s['skipped_steps']}" if s["skipped_steps"] else "")
         + f"   waiting for data {100 * s['data_wait_fraction']:.1f}% of the loop",
         "  time  "
-        + ", ".join(f"{_TIME_LABELS[k]} {v:.1f}s" for k, v in s["time_s"].items() if v >= 0.05),
+        + ", ".join(f"{k.replace('_', ' ')} {v:.1f}s" for k, v in s["time_s"].items() if v >= 0.05),
         f"  outputs in {s['workdir']}",
     ]
     if s["metrics"]:
