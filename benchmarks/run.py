@@ -22,17 +22,13 @@ Usage::
 """
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
 from . import _memory, _scan, _train_step
-from ._common import DEFAULT_EXPERIMENT, machine_info, matmul_peak, versions, write_json
+from ._common import machine_info, matmul_peak, versions, write_json
+from .end_to_end import end_to_end, format_summary as format_end_to_end, ratio
 
 TINY_MODEL = (
     "model.num_layers=2",
@@ -88,62 +84,6 @@ MODES = {
         memory_workers=1,
     ),
 }
-
-
-def _end_to_end_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
-    with tempfile.TemporaryDirectory() as workdir:
-        command = [sys.executable, "-m", "ocformer.train", "--config", spec]
-        for o in overrides:
-            command += ["--set", o]
-        command += ["--workdir", workdir]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-        env["OCFORMER_COMPILE_CACHE"] = cache
-        start = time.perf_counter()
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
-        wall = time.perf_counter() - start
-        if proc.returncode != 0:
-            return {"error": proc.stderr[-2000:], "command": " ".join(command[1:])}
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        with open(os.path.join(workdir, "summary.json")) as f:
-            summary = json.load(f)
-    rates = [r["steps_per_s"] for r in records if "steps_per_s" in r]
-    steps = max(r["step"] for r in records)
-    train_s = steps / statistics.median(rates)
-    val = [r["val_loss"] for r in records if "val_loss" in r]
-    return {
-        "command": "python " + " ".join(command[1:-1]) + " <tmp>",
-        "steps": steps,
-        "wall_clock_s": wall,
-        "training_steps_s": train_s,
-        "median_step_s": 1.0 / statistics.median(rates),
-        "ratio": wall / train_s,
-        "fixed_costs_s": wall - train_s,
-        # Where the wall clock went, from the run's summary.json: the process before
-        # train() (interpreter, imports, configuration), then train()'s own parts.
-        "time_s": {"before_train": wall - summary["wall_time_s"], **summary["time_s"]},
-        "final_val_loss": val[-1] if val else None,
-    }
-
-
-def end_to_end(spec: str = f"{DEFAULT_EXPERIMENT}:short", overrides: Sequence[str] = ()) -> dict:
-    """Run the experiment through the command line, as ``make train`` does, and compare
-    its wall clock with ``steps / median(steps_per_s)`` from its own metrics log.
-
-    It runs twice, with a persistent compilation cache of its own: first empty (``cold``:
-    every program is compiled, as in a machine's first run), then the same command again
-    (``warm``: the programs load from the cache the first run filled, as in every later
-    run of the same shapes, the cache being on by default). ``overrides``: ``--set``
-    arguments of both runs."""
-    with tempfile.TemporaryDirectory() as cache:
-        cold = _end_to_end_once(spec, cache, overrides)
-        warm = _end_to_end_once(spec, cache, overrides) if "error" not in cold else None
-    return {**cold, "warm_cache": warm}
-
-
-def _ratio(run: dict | None) -> float | None:
-    """An end-to-end run's ratio; None where it did not run or failed."""
-    return None if not run or "ratio" not in run else run["ratio"]
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -231,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         },
         "flops_fraction": step["flops_fraction"],
         "tokens_per_s": step["tokens_per_s"],
-        "end_to_end_ratio": _ratio(e2e),
-        "end_to_end_ratio_warm_cache": _ratio(e2e and e2e["warm_cache"]),
+        "end_to_end_ratio": ratio(e2e),
+        "end_to_end_ratio_warm_cache": ratio(e2e and e2e["warm_cache"]),
         "train_step": step,
         "matmul_peak": peak,
         "scan": {"headline": headline["name"], "results": scans},
@@ -307,19 +247,9 @@ def format_summary(r: dict) -> str:
         ),
     ]
     e2e = r.get("end_to_end") or {}
-    for key, run, label in (
-        ("end_to_end_ratio", e2e, "empty compilation cache"),
-        ("end_to_end_ratio_warm_cache", e2e.get("warm_cache"), "warm cache"),
-    ):
-        if r[key] is not None:
-            lines.append(f"{key} {r[key]:.3f} ({label}): {_time_split(run)}")
+    if "not_run" not in e2e and format_end_to_end(e2e):
+        lines.append(format_end_to_end(e2e))
     return "\n".join(lines)
-
-
-def _time_split(run: dict) -> str:
-    """An end-to-end run's wall clock and where it went."""
-    parts = ", ".join(f"{k} {v:.1f}" for k, v in run.get("time_s", {}).items())
-    return f"{run['wall_clock_s']:.1f} s wall, {run['training_steps_s']:.1f} s of steps; {parts}"
 
 
 if __name__ == "__main__":

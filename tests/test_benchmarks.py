@@ -221,17 +221,23 @@ def test_profile_self_time_subtracts_nested_events():
 
 
 @pytest.mark.slow
-def test_end_to_end_runs_with_an_empty_then_a_warm_cache():
-    """The end-to-end figure: the command line run twice in a compilation cache of its
-    own; the second run loads its programs, so it has less fixed cost (its step is
-    loaded, not compiled), and both train the same numbers; each run's parts (from its
-    summary.json) add up to its wall clock."""
-    from benchmarks.run import _time_split, end_to_end
+def test_end_to_end_runs_with_an_empty_then_a_warm_cache(tmp_path, capsys):
+    """The end-to-end figure, through its command: the training command run twice in a
+    compilation cache of its own; the second run loads its programs, so it has less
+    fixed cost (its step is loaded, not compiled), and both train the same numbers;
+    each run's parts (from its summary.json) add up to its wall clock."""
+    from benchmarks.end_to_end import main, time_split
 
     smoke = os.path.join(REPO, "experiments", "smoke.py")
-    r = end_to_end(smoke, ("train.steps=30", "train.progress=false"))
+    out = tmp_path / "e2e.json"
+    args = ["--config", smoke, "--set", "train.steps=30", "--set", "train.progress=false"]
+    report = main([*args, "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    r = report["end_to_end"]
     warm = r["warm_cache"]
     assert "error" not in r and warm is not None and "error" not in warm, r
+    assert report["end_to_end_ratio"] == r["ratio"]
+    assert report["end_to_end_ratio_warm_cache"] == warm["ratio"]
     for run in (r, warm):
         assert run["steps"] == 30 and run["ratio"] > 1.0
         assert run["fixed_costs_s"] == pytest.approx(run["wall_clock_s"] - run["training_steps_s"])
@@ -241,6 +247,8 @@ def test_end_to_end_runs_with_an_empty_then_a_warm_cache():
     assert warm["fixed_costs_s"] < r["fixed_costs_s"]
     # Loading the step from the cache is faster than compiling it.
     assert warm["time_s"]["step_compilation"] < r["time_s"]["step_compilation"]
-    line = _time_split(warm)  # the summary's line
+    line = time_split(warm)  # the summary's line
     assert line.startswith(f"{warm['wall_clock_s']:.1f} s wall") and "step_compilation" in line
+    printed = capsys.readouterr().out
+    assert f"end_to_end_ratio_warm_cache {warm['ratio']:.3f} (warm cache): {line}" in printed
     assert warm["final_val_loss"] == r["final_val_loss"]

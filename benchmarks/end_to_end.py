@@ -1,0 +1,143 @@
+"""An experiment end to end: the training command's wall clock against the time of its
+own training steps (``end_to_end_ratio``).
+
+The command runs twice in a persistent compilation cache of its own, first empty (every
+program compiled, as in a machine's first run), then again (the programs loaded from the
+cache the first run filled, as in every later run of the same shapes). Each run's
+``summary.json`` says where the rest of its wall clock went. ``make bench`` runs this
+for the default experiment's ``short`` variant; alone it runs any experiment, by
+default the full default experiment (what ``make train`` runs):
+
+    python -m benchmarks.end_to_end --json FILE                      # about 16 min on 2 cores
+    python -m benchmarks.end_to_end --config experiments/shakespeare_char.py:short --json FILE
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from ._common import DEFAULT_EXPERIMENT, machine_info, versions, write_json
+
+
+def _run_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
+    with tempfile.TemporaryDirectory() as workdir:
+        command = [sys.executable, "-m", "ocformer.train", "--config", spec]
+        for o in overrides:
+            command += ["--set", o]
+        command += ["--workdir", workdir]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+        env["OCFORMER_COMPILE_CACHE"] = cache
+        start = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            return {"error": proc.stderr[-2000:], "command": " ".join(command[1:])}
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        with open(os.path.join(workdir, "summary.json")) as f:
+            summary = json.load(f)
+    rates = [r["steps_per_s"] for r in records if "steps_per_s" in r]
+    steps = max(r["step"] for r in records)
+    train_s = steps / statistics.median(rates)
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    return {
+        "command": "python " + " ".join(command[1:-1]) + " <tmp>",
+        "steps": steps,
+        "wall_clock_s": wall,
+        "training_steps_s": train_s,
+        "median_step_s": 1.0 / statistics.median(rates),
+        "ratio": wall / train_s,
+        "fixed_costs_s": wall - train_s,
+        # Where the wall clock went, from the run's summary.json: the process before
+        # train() (interpreter, imports, configuration), then train()'s own parts.
+        "time_s": {"before_train": wall - summary["wall_time_s"], **summary["time_s"]},
+        "final_val_loss": val[-1] if val else None,
+    }
+
+
+def end_to_end(spec: str = f"{DEFAULT_EXPERIMENT}:short", overrides: Sequence[str] = ()) -> dict:
+    """Run the experiment through the command line, as ``make train`` does, and compare
+    its wall clock with ``steps / median(steps_per_s)`` from its own metrics log.
+
+    It runs twice, with a persistent compilation cache of its own: first empty (``cold``:
+    every program is compiled, as in a machine's first run), then the same command again
+    (``warm``: the programs load from the cache the first run filled, as in every later
+    run of the same shapes, the cache being on by default). ``overrides``: ``--set``
+    arguments of both runs."""
+    with tempfile.TemporaryDirectory() as cache:
+        cold = _run_once(spec, cache, overrides)
+        warm = _run_once(spec, cache, overrides) if "error" not in cold else None
+    return {**cold, "warm_cache": warm}
+
+
+def ratio(run: dict | None) -> float | None:
+    """An end-to-end run's ratio; None where it did not run or failed."""
+    return None if not run or "ratio" not in run else run["ratio"]
+
+
+def time_split(run: dict) -> str:
+    """An end-to-end run's wall clock and where it went."""
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in run.get("time_s", {}).items())
+    return f"{run['wall_clock_s']:.1f} s wall, {run['training_steps_s']:.1f} s of steps; {parts}"
+
+
+def format_summary(r: dict) -> str:
+    """The two ratios, each with where its run's wall clock went."""
+    lines = []
+    for key, run, label in (
+        ("end_to_end_ratio", r, "empty compilation cache"),
+        ("end_to_end_ratio_warm_cache", r.get("warm_cache"), "warm cache"),
+    ):
+        if ratio(run) is not None:
+            lines.append(f"{key} {ratio(run):.3f} ({label}): {time_split(run)}")
+        elif run is not None and "error" in run:
+            lines.append(f"{key}: the run failed: {run['error'].strip().splitlines()[-1]}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.end_to_end", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_EXPERIMENT,
+        metavar="SPEC",
+        help=f"the experiment, as the training command takes it (default {DEFAULT_EXPERIMENT})",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="a config override of both runs (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--json", metavar="FILE", help="write the result as JSON to FILE")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    result = end_to_end(args.config, args.set)
+    report = {
+        "benchmark": "the training command end to end, against its own training steps",
+        "config": args.config,
+        "overrides": args.set,
+        "end_to_end_ratio": ratio(result),
+        "end_to_end_ratio_warm_cache": ratio(result.get("warm_cache")),
+        "end_to_end": result,
+        "versions": versions(),
+        "machine": machine_info(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_clock_s": time.perf_counter() - started,
+    }
+    print(format_summary(result))
+    if args.json:
+        write_json(args.json, report)
+    if "error" in result or "error" in (result.get("warm_cache") or {}):
+        sys.exit(1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
