@@ -192,6 +192,19 @@ def machine_info() -> dict:
     }
 
 
+def provenance(started: float | None = None) -> dict:
+    """The keys every result file ends with: package versions, the machine, the time,
+    and with ``started`` (a ``time.perf_counter()`` reading) the benchmark's wall clock."""
+    out = {
+        "versions": versions(),
+        "machine": machine_info(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if started is not None:
+        out["wall_clock_s"] = time.perf_counter() - started
+    return out
+
+
 def versions() -> dict:
     names = ("jax", "jaxlib", "diffrax", "equinox", "optax", "flax", "numpy")
     out = {n: importlib.metadata.version(n) for n in names}

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from ._common import DEFAULT_EXPERIMENT, machine_info, versions, write_json
+from ._common import DEFAULT_EXPERIMENT, provenance, write_json
 
 
 def _run_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
@@ -94,8 +94,8 @@ def format_summary(r: dict) -> str:
         ("end_to_end_ratio", r, "empty compilation cache"),
         ("end_to_end_ratio_warm_cache", r.get("warm_cache"), "warm cache"),
     ):
-        if ratio(run) is not None:
-            lines.append(f"{key} {ratio(run):.3f} ({label}): {time_split(run)}")
+        if run and "ratio" in run:
+            lines.append(f"{key} {run['ratio']:.3f} ({label}): {time_split(run)}")
         elif run is not None and "error" in run:
             lines.append(f"{key}: the run failed: {run['error'].strip().splitlines()[-1]}")
     return "\n".join(lines)
@@ -126,10 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "end_to_end_ratio": ratio(result),
         "end_to_end_ratio_warm_cache": ratio(result.get("warm_cache")),
         "end_to_end": result,
-        "versions": versions(),
-        "machine": machine_info(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_clock_s": time.perf_counter() - started,
+        **provenance(started),
     }
     print(format_summary(result))
     if args.json:

@@ -22,7 +22,6 @@ On a machine without a GPU the first form exits with status 2 and says so.
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 
 import equinox as eqx
@@ -42,10 +41,9 @@ from ._common import (
     entry_copies,
     experiment_config,
     jax_compiled,
-    machine_info,
     matmul_peak,
+    provenance,
     time_interleaved,
-    versions,
     write_json,
 )
 from ._gpt import gpt_shape, model_flops_per_token
@@ -288,9 +286,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "dry_run": args.dry_run,
         "attention_implementation": args.attention,
         **result,
-        "versions": versions(),
-        "machine": machine_info(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **provenance(),
     }
     print(
         f"{result['params'] / 1e6:.1f}M parameters, context {size['seq_len']}, batch "

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 
 from . import _memory, _scan, _train_step
-from ._common import machine_info, matmul_peak, versions, write_json
+from ._common import matmul_peak, provenance, write_json
 from .end_to_end import end_to_end, format_summary as format_end_to_end, ratio
 
 TINY_MODEL = (
@@ -182,10 +182,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         else {"not_run": "pass --end-to-end (runs experiments/shakespeare_char.py:short)"},
         "shapes": headline["shapes"],
         "results": scans,
-        "versions": versions(),
-        "machine": machine_info(),
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_clock_s": time.perf_counter() - started,
+        **provenance(started),
     }
     print(format_summary(report))
     if args.json:

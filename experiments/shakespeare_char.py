@@ -7,10 +7,9 @@ Command (``make train`` runs exactly this after ``make setup data``):
 A pre-LN causal Transformer, 4 layers x 128 features, 4 heads, context 64, posed as the
 Lie-splitting discretisation of the controlled equation with one step per layer
 (exactly a GPT-style stack), trained with AdamW, warmup and cosine decay. Sized for a
-2-core CPU: 7000 steps in the README's measured run took 478 s of training (14.6 steps/s)
-and 8 min 5 s for ``make train`` end to end from a fresh clone with the environment
-installed, under 10 minutes including the data step, compilation, evaluation and
-checkpoints.
+2-core CPU: 7000 steps in the README's measured run took 437 s in the training command
+(16.0 steps/s) and 8 min 22 s for ``make train`` end to end from a fresh clone, the
+environment's set-up, the data step, compilation, evaluation and checkpoints included.
 
 Expected result: validation loss 1.539 nats/char after 7000 steps (the README's
 measured run; target <= 1.65), samples in runs/shakespeare_char/samples.txt that look
