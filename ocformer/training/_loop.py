@@ -404,191 +404,24 @@ def train(
     layout = Layout(config)  # a mesh larger than the devices is refused here
     run = RunDirectory(workdir, primary=is_primary(), barrier=layout.barrier)
     changes = run.check(config, allow_config_change=allow_config_change)
-    exp, tc = build(config, mesh=layout.mesh), config.train
-    lm = exp.task.kind == "lm"
+    exp = build(config, mesh=layout.mesh)
     with run:
-        initial = _initial_tree(exp)
-        resumed_from, restored = run.start(
-            config,
-            initial,
-            keep_checkpoints=tc.keep_checkpoints,
-            changes=changes,
-            argv=argv,
-            init_from=exp.init_from,
-        )
-        model, opt_state, key, step, skipped = _from_tree(exp, restored or initial)
-        fallback = DepthFallback(tc, model)
-        if resumed_from is not None:  # the solve that earlier fallbacks left
-            fallback.replay(run.metrics.read(), step)
-            model, old = fallback.solve(model), model
-            opt_state = carry_state(opt_state, old, model)
-        # The schedule of this configuration (a resumed run may have changed it); the
-        # count of applied updates comes from the checkpoint.
-        opt_state = with_schedule(opt_state, config.optimiser, tc.steps)
-        if layout.active:
-            # Checkpoints hold whole arrays: any mesh restores any other's.
-            model, opt_state = layout.put_model(model), layout.put_state(opt_state, model)
-        if resumed_from is not None:
-            print(f"ocformer: resuming {run.path} from step {step}", flush=True)
-            if changes:
-                _announce_schedule(run.stored_config or {}, config, step, skipped)
-        # Non-finite updates are discarded inside the step in both modes (see the
-        # module docstring); "abort" stops at the next check.
-        if exp.method is None:
-            step_fn = make_train_step(
-                with_precision(exp.objective, config), exp.constraints, exp.optimiser,
-                skip_nonfinite=True,
-            )  # fmt: skip
-        else:
-            step_fn = make_msa_step(exp.objective, exp.constraints, exp.method, skip_nonfinite=True)
-        bias_fn = make_bias_step(with_precision(exp.objective, config))
-
-        def compiled_steps(model):
-            """The training, bias and evaluation steps of ``model``'s solve (on a mesh
-            the programs hold the model's static part, so a fallback recompiles)."""
-            if not layout.active:
-                return step_fn, bias_fn, _Evaluation(exp, layout, model)
-            return (
-                layout.compile_train_step(step_fn, model, opt_state),
-                layout.compile_bias_step(bias_fn, model),
-                _Evaluation(exp, layout, model),
-            )
-
-        train_step, bias_step, evaluation = compiled_steps(model)
-        units = config.task.batch_size * (exp.task.seq_len if lm else 1)
-        throughput = _Throughput(units, "tok_per_s" if lm else "ex_per_s")
-        last: dict = {}
-        quiet = not (tc.progress and is_primary())
-        bar = tqdm(total=tc.steps, initial=step, disable=quiet, desc="train",
-                   dynamic_ncols=True, file=sys.stderr)  # fmt: skip
-        pending = _Pending()
-        profile = _Profile(tc.profile_steps, os.path.join(run.path, "profile"), is_primary())
-        several = layout.processes > 1
-
-        produce = train_batches(exp.task, layout, config.task.batch_size, tc.seed)
-        timings = _Timings()
-        first_step = step + 1  # its call traces and compiles the step (or loads it)
-        loop_started = time.perf_counter()
-        # Batches are only placed on the devices (no program runs), so a run of several
-        # processes prefetches them too.
-        prefetch = _Prefetch(produce, step, tc.steps, PREFETCH_DEPTH)
-        with bar, prefetch, PreemptionGuard(tc.preempt_grace_s) as guard:
-            try:
-                while step < tc.steps:
-                    batch = prefetch.get(step)
-                    step += 1
-                    profile.before(step)
-                    # The bias of the depth-parallel gradient at this step's parameters
-                    # and batch, before the update.
-                    biased = None
-                    bias_check = tc.depth_bias_every and step % tc.depth_bias_every == 0
-                    if fallback.parallel and bias_check:
-                        try:
-                            biased = bias_step(model, batch)
-                        except eqx.EquinoxRuntimeError as e:
-                            raise SolverFailure.from_error(step, e) from None
-                    try:
-                        first = step == first_step
-                        with timings.span("step_compilation") if first else _untimed:
-                            model, opt_state, metrics, finite = train_step(model, opt_state, batch)
-                    except eqx.EquinoxRuntimeError as e:
-                        raise SolverFailure.from_error(step, e) from None
-                    pending.add(step, finite, metrics)
-                    profile.after(step, (model, opt_state))
-                    throughput.steps += 1
-                    evaluated = step % tc.eval_every == 0 or step == tc.steps
-                    logged = evaluated or step % tc.log_every == 0 or biased is not None
-                    # Every process stops at the same step (a checkpoint is written
-                    # together): they agree on it every stop_check_every steps, after
-                    # this step's program has finished everywhere (the query is a
-                    # program across processes too, which must not overlap a step's).
-                    # In between, their steps are dispatched without waiting.
-                    query = several and step % tc.stop_check_every == 0
-                    if query:
-                        pending.check_finished()
-                        stopping = layout.any_process(guard.requested)
-                    else:
-                        stopping = guard.requested and not several
-                    stopping = stopping and step < tc.steps
-                    saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
-                    if logged or saving or query:
-                        bad, values = pending.check()
-                        if bad and tc.on_nonfinite == "abort":
-                            raise NonFiniteError(bad[0][0], bad[0][1], run.checkpoint)
-                        skipped += len(bad)
-                        # The learning rate this update used (the schedule advances on
-                        # applied updates only).
-                        this_skipped = bool(bad) and bad[-1][0] == step
-                        applied = step - 1 - (skipped - int(this_skipped))
-                        lr = float(np.asarray(exp.schedule(applied)))
-                        last = {"step": step, **values, "skipped_steps": skipped, "lr": lr}
-                    if logged:
-                        # Training throughput only: measured before evaluation and
-                        # sampling, whose time is then excluded from the next window
-                        # (as a checkpoint's is, below).
-                        rate = throughput.rate()
-                        rate["data_wait_fraction"] = prefetch.wait_s / max(
-                            time.perf_counter() - loop_started, 1e-9
-                        )
-                        reason = None
-                        if biased is not None:
-                            last.update({k: float(v) for k, v in jax.device_get(biased).items()})
-                            reason = fallback.after_bias(last["grad_cosine"])
-                        if evaluated:
-                            with timings.span("evaluation"):
-                                last.update(evaluation(model, step))
-                            reason = fallback.after_evaluation(last["val_loss"]) or reason
-                            with timings.span("sampling"):
-                                text = evaluation.sample(model, key, step)
-                            if text is not None:
-                                run.sample(step, text)
-                                bar.write(f"--- sample at step {step} ---\n{text}\n---")
-                            throughput.restart()
-                        if reason is not None:
-                            model, old = fallback.fire(model), model
-                            opt_state = carry_state(opt_state, old, model)
-                            solve = (
-                                f"{fallback.iterations} iterations"
-                                if fallback.parallel
-                                else "serial"
-                            )
-                            bar.write(
-                                f"ocformer: depth fallback at step {step}: {reason}; the solve "
-                                f"is {solve} from step {step + 1}"
-                            )
-                            last["depth_fallback_iterations"] = fallback.iterations
-                            train_step, bias_step, evaluation = compiled_steps(model)
-                        run.log(step, {**last, **rate})
-                        last.pop("depth_fallback_iterations", None)
-                        speed = {
-                            throughput.name.replace("_per_", "/"): f"{rate[throughput.name]:,.0f}"
-                        }
-                        bar.set_postfix({"loss": f"{last['loss']:.4f}", **speed}, refresh=False)
-                    bar.update(1)
-                    if saving:
-                        t = time.perf_counter()
-                        run.save(step, _to_tree(model, opt_state, key, step, skipped), config)
-                        saving_s = time.perf_counter() - t
-                        timings.add("checkpoints", saving_s)
-                        throughput.exclude(saving_s)
-                    if stopping:
-                        raise Preempted(step, run.checkpoint)
-            finally:
-                profile.stop()
-        loop_s = time.perf_counter() - loop_started
-        time_s = timings.report(loop_started - started, loop_s)
+        resumed_from, state = _start(exp, config, run, layout, changes, argv)
+        loop = _Loop(exp, config, run, layout, *state)
+        loop.run()
+        last = loop.last
         if not last:  # nothing left to do: report the run's last record
             history = run.metrics.read()
             last = history[-1] if history else {}
         summary = {
-            "step": step,
+            "step": loop.step,
             "loss": last.get("loss"),
             "val_loss": last.get("val_loss"),
             "val_accuracy": last.get("val_accuracy"),
-            "skipped_steps": skipped,
+            "skipped_steps": loop.skipped,
             "wall_time_s": time.perf_counter() - started,
-            "time_s": time_s,
-            "data_wait_fraction": prefetch.wait_s / loop_s if loop_s > 0 else 0.0,
+            "time_s": loop.timings.report(loop.started - started, loop.seconds),
+            "data_wait_fraction": loop.wait_fraction(),
             "resumed_from": resumed_from,
             "workdir": run.path,
             **run.outputs(),
@@ -597,6 +430,251 @@ def train(
     if is_primary():
         _print_summary(summary)
     return summary
+
+
+def _start(exp: Experiment, config: Config, run: RunDirectory, layout: Layout, changes, argv):
+    """Start the run in ``run`` or resume it: ``(resumed_from, (model, opt_state, key,
+    step, skipped, fallback))``, on the devices of ``layout``, the optimiser state with
+    the schedule of ``config`` (a resumed run may have changed it; the count of applied
+    updates comes from the checkpoint)."""
+    tc = config.train
+    initial = _initial_tree(exp)
+    resumed_from, restored = run.start(
+        config,
+        initial,
+        keep_checkpoints=tc.keep_checkpoints,
+        changes=changes,
+        argv=argv,
+        init_from=exp.init_from,
+    )
+    model, opt_state, key, step, skipped = _from_tree(exp, restored or initial)
+    fallback = DepthFallback(tc, model)
+    if resumed_from is not None:  # the solve that earlier fallbacks left
+        fallback.replay(run.metrics.read(), step)
+        model, old = fallback.solve(model), model
+        opt_state = carry_state(opt_state, old, model)
+    opt_state = with_schedule(opt_state, config.optimiser, tc.steps)
+    if layout.active:
+        # Checkpoints hold whole arrays: any mesh restores any other's.
+        model, opt_state = layout.put_model(model), layout.put_state(opt_state, model)
+    if resumed_from is not None:
+        print(f"ocformer: resuming {run.path} from step {step}", flush=True)
+        if changes:
+            _announce_schedule(run.stored_config or {}, config, step, skipped)
+    return resumed_from, (model, opt_state, key, step, skipped, fallback)
+
+
+class _Loop:
+    """The training loop from ``step`` to ``train.steps``: the state it advances
+    (model, optimiser state, step, skipped updates, the compiled programs of the
+    current solve) and, at each step, the update and what the step is due for (a log
+    record, an evaluation with a sample, a checkpoint, a stop)."""
+
+    bar: Any  # the progress bar, and the batches prepared ahead, of the running loop
+    prefetch: _Prefetch
+
+    def __init__(
+        self, exp: Experiment, config: Config, run: RunDirectory, layout: Layout,
+        model, opt_state, key, step: int, skipped: int, fallback: DepthFallback,
+    ):  # fmt: skip
+        self.exp, self.config, self.tc = exp, config, config.train
+        self.directory, self.layout = run, layout
+        self.model, self.opt_state, self.key = model, opt_state, key
+        self.step, self.skipped, self.fallback = step, skipped, fallback
+        # Non-finite updates are discarded inside the step in both modes (see the
+        # module docstring); "abort" stops at the next check.
+        if exp.method is None:
+            self.step_fn = make_train_step(
+                with_precision(exp.objective, config), exp.constraints, exp.optimiser,
+                skip_nonfinite=True,
+            )  # fmt: skip
+        else:
+            self.step_fn = make_msa_step(
+                exp.objective, exp.constraints, exp.method, skip_nonfinite=True
+            )
+        self.bias_fn = make_bias_step(with_precision(exp.objective, config))
+        self.train_step, self.bias_step, self.evaluation = self._compiled_steps()
+        units = config.task.batch_size * (exp.task.seq_len if exp.task.kind == "lm" else 1)
+        self.throughput = _Throughput(units, "tok_per_s" if exp.task.kind == "lm" else "ex_per_s")
+        self.last: dict = {}  # the newest fetched record
+        self.pending = _Pending()
+        self.profile = _Profile(
+            self.tc.profile_steps, os.path.join(run.path, "profile"), is_primary()
+        )
+        self.several = layout.processes > 1
+        self.timings = _Timings()
+        self.first_step = step + 1  # its call traces and compiles the step (or loads it)
+        self.started = self.seconds = 0.0
+
+    def _compiled_steps(self):
+        """The training, bias and evaluation steps of the model's solve (on a mesh the
+        programs hold the model's static part, so a fallback recompiles)."""
+        layout, model = self.layout, self.model
+        if not layout.active:
+            return self.step_fn, self.bias_fn, _Evaluation(self.exp, layout, model)
+        return (
+            layout.compile_train_step(self.step_fn, model, self.opt_state),
+            layout.compile_bias_step(self.bias_fn, model),
+            _Evaluation(self.exp, layout, model),
+        )
+
+    def run(self) -> None:
+        """Run the remaining steps; ``seconds`` is then the loop's wall time."""
+        tc = self.tc
+        quiet = not (tc.progress and is_primary())
+        self.bar = tqdm(total=tc.steps, initial=self.step, disable=quiet, desc="train",
+                        dynamic_ncols=True, file=sys.stderr)  # fmt: skip
+        produce = train_batches(self.exp.task, self.layout, self.config.task.batch_size, tc.seed)
+        self.started = time.perf_counter()
+        # Batches are only placed on the devices (no program runs), so a run of several
+        # processes prefetches them too.
+        self.prefetch = _Prefetch(produce, self.step, tc.steps, PREFETCH_DEPTH)
+        with self.bar, self.prefetch, PreemptionGuard(tc.preempt_grace_s) as guard:
+            try:
+                while self.step < tc.steps:
+                    self._next(guard)
+            finally:
+                self.profile.stop()
+        self.seconds = time.perf_counter() - self.started
+
+    def wait_fraction(self) -> float:
+        """The share of the loop's wall time spent waiting for a batch."""
+        elapsed = self.seconds or time.perf_counter() - self.started
+        return self.prefetch.wait_s / elapsed if elapsed > 0 else 0.0
+
+    def _next(self, guard: PreemptionGuard) -> None:
+        """One step: the update, then what the step is due for."""
+        tc = self.tc
+        batch = self.prefetch.get(self.step)
+        self.step += 1
+        step = self.step
+        self.profile.before(step)
+        biased = self._bias(batch)
+        self._update(batch)
+        evaluated = step % tc.eval_every == 0 or step == tc.steps
+        logged = evaluated or step % tc.log_every == 0 or biased is not None
+        query, stopping = self._stop(guard)
+        saving = step % tc.checkpoint_every == 0 or step == tc.steps or stopping
+        if logged or saving or query:
+            self._fetch()
+        if logged:
+            self._log(biased, evaluated)
+        self.bar.update(1)
+        if saving:
+            self._save()
+        if stopping:
+            raise Preempted(step, self.directory.checkpoint)
+
+    def _bias(self, batch):
+        """The bias of the depth-parallel gradient at this step's parameters and batch,
+        before the update; None at a step that does not check it."""
+        every = self.tc.depth_bias_every
+        if not (self.fallback.parallel and every and self.step % every == 0):
+            return None
+        try:
+            return self.bias_step(self.model, batch)
+        except eqx.EquinoxRuntimeError as e:
+            raise SolverFailure.from_error(self.step, e) from None
+
+    def _update(self, batch) -> None:
+        """Dispatch the step's update; its metrics and finiteness flags stay pending on
+        the device."""
+        try:
+            first = self.step == self.first_step
+            with self.timings.span("step_compilation") if first else _untimed:
+                self.model, self.opt_state, metrics, finite = self.train_step(
+                    self.model, self.opt_state, batch
+                )
+        except eqx.EquinoxRuntimeError as e:
+            raise SolverFailure.from_error(self.step, e) from None
+        self.pending.add(self.step, finite, metrics)
+        self.profile.after(self.step, (self.model, self.opt_state))
+        self.throughput.steps += 1
+
+    def _stop(self, guard: PreemptionGuard) -> tuple[bool, bool]:
+        """``(query, stopping)``: whether the processes agree on stopping at this step,
+        and whether the run stops after it.
+
+        Every process stops at the same step (a checkpoint is written together): they
+        agree on it every ``stop_check_every`` steps, after this step's program has
+        finished everywhere (the query is a program across processes too, which must
+        not overlap a step's). In between, their steps are dispatched without waiting.
+        """
+        query = self.several and self.step % self.tc.stop_check_every == 0
+        if query:
+            self.pending.check_finished()
+            stopping = self.layout.any_process(guard.requested)
+        else:
+            stopping = guard.requested and not self.several
+        return query, stopping and self.step < self.tc.steps
+
+    def _fetch(self) -> None:
+        """Fetch the pending steps' flags and the newest metrics into ``last``; a
+        non-finite update aborts the run under ``on_nonfinite=abort`` and is counted
+        as skipped otherwise (it was discarded inside the step)."""
+        bad, values = self.pending.check()
+        if bad and self.tc.on_nonfinite == "abort":
+            raise NonFiniteError(bad[0][0], bad[0][1], self.directory.checkpoint)
+        self.skipped += len(bad)
+        # The learning rate this update used (the schedule advances on applied updates
+        # only).
+        this_skipped = bool(bad) and bad[-1][0] == self.step
+        applied = self.step - 1 - (self.skipped - int(this_skipped))
+        lr = float(np.asarray(self.exp.schedule(applied)))
+        self.last = {"step": self.step, **values, "skipped_steps": self.skipped, "lr": lr}
+
+    def _log(self, biased, evaluated: bool) -> None:
+        """Write the step's record: throughput, the depth-parallel bias, an evaluation
+        with its sample, and the depth fallback they may call for."""
+        step, last = self.step, self.last
+        # Training throughput only: measured before evaluation and sampling, whose time
+        # is then excluded from the next window (as a checkpoint's is, in _save).
+        rate = self.throughput.rate()
+        rate["data_wait_fraction"] = self.wait_fraction()
+        reason = None
+        if biased is not None:
+            last.update({k: float(v) for k, v in jax.device_get(biased).items()})
+            reason = self.fallback.after_bias(last["grad_cosine"])
+        if evaluated:
+            with self.timings.span("evaluation"):
+                last.update(self.evaluation(self.model, step))
+            reason = self.fallback.after_evaluation(last["val_loss"]) or reason
+            with self.timings.span("sampling"):
+                text = self.evaluation.sample(self.model, self.key, step)
+            if text is not None:
+                self.directory.sample(step, text)
+                self.bar.write(f"--- sample at step {step} ---\n{text}\n---")
+            self.throughput.restart()
+        if reason is not None:
+            self._fall_back(reason)
+            last["depth_fallback_iterations"] = self.fallback.iterations
+        self.directory.log(step, {**last, **rate})
+        last.pop("depth_fallback_iterations", None)
+        name = self.throughput.name
+        speed = {name.replace("_per_", "/"): f"{rate[name]:,.0f}"}
+        self.bar.set_postfix({"loss": f"{last['loss']:.4f}", **speed}, refresh=False)
+
+    def _fall_back(self, reason: str) -> None:
+        """Change the solve from the next step on (fewer parallel iterations, or the
+        serial solve), with its programs."""
+        self.model, old = self.fallback.fire(self.model), self.model
+        self.opt_state = carry_state(self.opt_state, old, self.model)
+        solve = f"{self.fallback.iterations} iterations" if self.fallback.parallel else "serial"
+        self.bar.write(
+            f"ocformer: depth fallback at step {self.step}: {reason}; the solve is {solve} "
+            f"from step {self.step + 1}"
+        )
+        self.train_step, self.bias_step, self.evaluation = self._compiled_steps()
+
+    def _save(self) -> None:
+        """Checkpoint the state after this step; its time is left out of the throughput
+        window."""
+        t = time.perf_counter()
+        tree = _to_tree(self.model, self.opt_state, self.key, self.step, self.skipped)
+        self.directory.save(self.step, tree, self.config)
+        seconds = time.perf_counter() - t
+        self.timings.add("checkpoints", seconds)
+        self.throughput.exclude(seconds)
 
 
 def train_batches(
