@@ -37,7 +37,11 @@ def _run_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
-            return {"error": proc.stderr[-2000:], "command": " ".join(command[1:])}
+            return {
+                "error": proc.stderr[-2000:],
+                "returncode": proc.returncode,
+                "command": " ".join(command[1:]),
+            }
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
         with open(os.path.join(workdir, "summary.json")) as f:
@@ -71,9 +75,25 @@ def end_to_end(spec: str = f"{DEFAULT_EXPERIMENT}:short", overrides: Sequence[st
     run of the same shapes, the cache being on by default). ``overrides``: ``--set``
     arguments of both runs."""
     with tempfile.TemporaryDirectory() as cache:
+        _say(f"run 1 of 2, empty compilation cache: {spec}")
         cold = _run_once(spec, cache, overrides)
-        warm = _run_once(spec, cache, overrides) if "error" not in cold else None
+        _say(_outcome(cold))
+        warm = None
+        if "error" not in cold:
+            _say("run 2 of 2, with the cache run 1 filled")
+            warm = _run_once(spec, cache, overrides)
+            _say(_outcome(warm))
     return {**cold, "warm_cache": warm}
+
+
+def _say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] end to end: {text}", file=sys.stderr, flush=True)
+
+
+def _outcome(run: dict) -> str:
+    if "error" in run:
+        return "failed"
+    return f"{run['steps']} steps in {run['wall_clock_s']:.1f} s, ratio {run['ratio']:.3f}"
 
 
 def ratio(run: dict | None) -> float | None:
@@ -131,7 +151,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(format_summary(result))
     if args.json:
         write_json(args.json, report)
-    if "error" in result or "error" in (result.get("warm_cache") or {}):
+    if "error" in result:
+        # A configuration the training command refused (exit code 2) is this
+        # command's bad argument too.
+        sys.exit(2 if result["returncode"] == 2 else 1)
+    if "error" in (result.get("warm_cache") or {}):
         sys.exit(1)
     return report
 

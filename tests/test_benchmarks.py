@@ -252,3 +252,19 @@ def test_end_to_end_runs_with_an_empty_then_a_warm_cache(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"end_to_end_ratio_warm_cache {warm['ratio']:.3f} (warm cache): {line}" in printed
     assert warm["final_val_loss"] == r["final_val_loss"]
+
+
+def test_end_to_end_passes_on_a_refused_configuration_as_exit_code_2(tmp_path, capsys):
+    """A configuration the training command refuses is the end-to-end command's bad
+    argument: exit code 2, the command's own message, nothing run a second time."""
+    from benchmarks.end_to_end import main
+
+    smoke = os.path.join(REPO, "experiments", "smoke.py")
+    out = tmp_path / "e2e.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", smoke, "--set", "train.steps=-1", "--json", str(out)])
+    assert exit_info.value.code == 2
+    assert "train.steps: must be >= 0, got -1" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["end_to_end_ratio"] is None and report["end_to_end"]["warm_cache"] is None
+    assert report["end_to_end"]["returncode"] == 2

@@ -494,8 +494,9 @@ class _Loop:
             )
         self.bias_fn = make_bias_step(with_precision(exp.objective, config))
         self.train_step, self.bias_step, self.evaluation = self._compiled_steps()
-        units = config.task.batch_size * (exp.task.seq_len if exp.task.kind == "lm" else 1)
-        self.throughput = _Throughput(units, "tok_per_s" if exp.task.kind == "lm" else "ex_per_s")
+        lm = exp.task.kind == "lm"
+        units = config.task.batch_size * (exp.task.seq_len if lm else 1)
+        self.throughput = _Throughput(units, "tok_per_s" if lm else "ex_per_s")
         self.last: dict = {}  # the newest fetched record
         self.pending = _Pending()
         self.profile = _Profile(
