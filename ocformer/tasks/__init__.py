@@ -1,6 +1,10 @@
 """Tasks: offline data as pure functions (split, index, batch_size, seed) -> batch."""
 
-from ._base import AbstractTask as AbstractTask, DataNotFoundError as DataNotFoundError
+from ._base import (
+    AbstractTask as AbstractTask,
+    AbstractTextTask as AbstractTextTask,
+    DataNotFoundError as DataNotFoundError,
+)
 from ._corpus import (
     SHAKESPEARE_SHA256 as SHAKESPEARE_SHA256,
     default_data_dir as default_data_dir,

@@ -96,3 +96,18 @@ class AbstractTask(abc.ABC):
         if not (isinstance(num_batches, int) and num_batches >= 1):
             raise ValueError(f"num_batches must be an integer >= 1, got {num_batches!r}.")
         return [self.batch("validation", i, batch_size, seed) for i in range(num_batches)]
+
+
+class AbstractTextTask(AbstractTask):
+    """A language model of text: its symbols are a text's, so the training loop can
+    prompt the model with text and sample text from it (``train.sample_tokens``)."""
+
+    kind: ClassVar[Literal["lm"]] = "lm"
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> np.ndarray:
+        """Symbol ids (int32) of ``text``."""
+
+    @abc.abstractmethod
+    def decode(self, tokens) -> str:
+        """The text of symbol ids ``tokens``."""

@@ -2,12 +2,12 @@
 
 import functools
 import pathlib
-from typing import ClassVar, Literal, final, get_args
+from typing import Literal, final, get_args
 
 import numpy as np
 
 from ._base import (
-    AbstractTask,
+    AbstractTextTask,
     DataNotFoundError,
     batch_rng,
     check_batch_args,
@@ -107,10 +107,9 @@ def _shakespeare_corpus(path: pathlib.Path) -> CharCorpus:
     return CharCorpus(data.decode("ascii"))
 
 
-class AbstractCharTask(AbstractTask):
+class AbstractCharTask(AbstractTextTask):
     """Next-character prediction on a text corpus (causal language modelling)."""
 
-    kind: ClassVar[Literal["lm"]] = "lm"
     num_classes: None = None
     corpus: CharCorpus
 

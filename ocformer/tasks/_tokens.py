@@ -1,12 +1,12 @@
 """Language modelling on a prepared corpus (``task.name=tokens``, ``task.path=DIR``)."""
 
 import os
-from typing import ClassVar, Literal, final
+from typing import final
 
 import numpy as np
 
 from ._base import (
-    AbstractTask,
+    AbstractTextTask,
     batch_rng,
     check_batch_args,
     check_rows,
@@ -17,7 +17,7 @@ from ._dataset import DatasetError, open_dataset
 
 
 @final
-class Tokens(AbstractTask):
+class Tokens(AbstractTextTask):
     """Next-token prediction on a dataset directory written by ``python -m
     ocformer.tasks.prepare text`` (see ``ocformer.tasks._dataset`` for its layout).
 
@@ -38,7 +38,6 @@ class Tokens(AbstractTask):
             or a split shorter than ``seq_len + 1`` tokens.
     """
 
-    kind: ClassVar[Literal["lm"]] = "lm"
     num_classes: None = None
     vocab_size: int
 

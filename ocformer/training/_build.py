@@ -31,7 +31,7 @@ from ..models import (
     with_conv_projections,
 )
 from ..objective import MSA, Constraints, Objective, Ternary
-from ..tasks import TASKS, make_task
+from ..tasks import TASKS, AbstractTextTask, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser, under_standard_promotion
@@ -321,9 +321,7 @@ def build(config: Config, task=None, mesh: Mesh | None = None) -> Experiment:
         ocformer.tasks.DataNotFoundError: the task's data is not on disk.
     """
     task = build_task(config) if task is None else task
-    if config.train.sample_tokens and not (
-        task.kind == "lm" and callable(getattr(task, "encode", None))
-    ):
+    if config.train.sample_tokens and not isinstance(task, AbstractTextTask):
         raise ConfigError(
             "train.sample_tokens",
             f"task {config.task.name!r} is not a text language model, so it has nothing "

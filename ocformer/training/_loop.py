@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from ..config import Config, from_dict, validate
 from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
-from ..tasks import AbstractTask
+from ..tasks import AbstractTask, AbstractTextTask
 from ._build import Experiment, build
 from ._depth_fallback import DepthFallback, carry_state
 from ._errors import NonFiniteError, Preempted, SolverFailure
@@ -290,7 +290,7 @@ class _Evaluation:
         return validation_metrics(recs)
 
     def sample(self, model, key, step: int) -> str | None:
-        if not (self.task.kind == "lm" and self.tc.sample_tokens):
+        if not (isinstance(self.task, AbstractTextTask) and self.tc.sample_tokens):
             return None
         if self.layout.processes > 1:
             # The arrays span processes: every process gathers them, process 0 samples.
