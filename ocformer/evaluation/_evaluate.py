@@ -77,16 +77,32 @@ def _time_stepper(model):
 
 
 def evaluations_per_step(stepper) -> tuple[int, bool] | None:
-    """(vector-field evaluations per step, first-same-as-last) of a diffrax Runge-Kutta
-    solver, from its Butcher tableau; ``None`` for anything else (splitting schemes
-    evaluate sub-flows, not the full vector field)."""
+    """(vector-field evaluations per step, first-same-as-last) of an explicit diffrax
+    Runge-Kutta solver, from its Butcher tableau; ``None`` for anything else: an
+    implicit solver's evaluations depend on its root finder's iterations (several per
+    implicit stage, and its Jacobians), and splitting schemes evaluate sub-flows, not
+    the full vector field."""
     inner = inner_solver(stepper)
     if isinstance(inner, diffrax.Euler):
         return 1, False
-    tableau = getattr(inner, "tableau", None)
-    if not isinstance(tableau, diffrax.ButcherTableau):
+    if not isinstance(inner, diffrax.AbstractRungeKutta):
+        return None
+    tableau = inner.tableau
+    # An IMEX pair (KenCarp) is a MultiButcherTableau; Kvaerno's stages are implicit.
+    if not isinstance(tableau, diffrax.ButcherTableau) or tableau.implicit:
         return None
     return tableau.num_stages, bool(tableau.fsal)
+
+
+def count_evaluations(stepper, num_steps: int) -> int | None:
+    """The vector-field evaluations (NFE) of ``num_steps`` steps of ``stepper``: stages
+    per step, one fewer after the first step for first-same-as-last solvers; ``None``
+    where ``evaluations_per_step`` is."""
+    per_step = evaluations_per_step(stepper)
+    if per_step is None:
+        return None
+    stages, fsal = per_step
+    return 1 + num_steps * (stages - 1) if fsal and num_steps else num_steps * stages
 
 
 @eqx.filter_jit
@@ -99,9 +115,11 @@ def solver_stats(model, batch: dict) -> dict:
     """diffrax's statistics of one forward solve of ``model`` on ``batch``: steps taken,
     accepted and rejected, and the vector-field evaluations (NFE) they cost.
 
-    ``nfe`` is counted from the steps and the solver's tableau (stages per step; one
-    fewer after the first step for first-same-as-last solvers); ``None`` for splitting
-    schemes, whose steps evaluate sub-flows rather than the whole vector field.
+    ``nfe`` is counted from the steps and an explicit solver's tableau (stages per step;
+    one fewer after the first step for first-same-as-last solvers); ``None`` for
+    implicit solvers, whose count depends on their root finder's iterations, and for
+    splitting schemes, whose steps evaluate sub-flows rather than the whole vector
+    field.
     """
     stats = {
         k: int(v)
@@ -111,13 +129,8 @@ def solver_stats(model, batch: dict) -> dict:
         "solver_steps": stats["num_steps"],
         "accepted_steps": stats["num_accepted_steps"],
         "rejected_steps": stats["num_rejected_steps"],
-        "nfe": None,
+        "nfe": count_evaluations(_time_stepper(model), stats["num_steps"]),
     }
-    per_step = evaluations_per_step(_time_stepper(model))
-    if per_step is not None:
-        stages, fsal = per_step
-        n = stats["num_steps"]
-        out["nfe"] = (1 + n * (stages - 1)) if fsal and n else n * stages
     return out
 
 
