@@ -165,8 +165,8 @@ def _group_keys(info: dict) -> list[str]:
 
 
 def aggregate(table: list[dict], info: dict) -> list[dict]:
-    """Rows grouped over seeds: for each metric its mean, std and count of the
-    finished rows."""
+    """Rows grouped over seeds: for each metric its mean, std (the population std,
+    numpy's default ``ddof=0``) and count of the finished rows."""
     keys = _group_keys(info)
     groups: dict[tuple, list[dict]] = {}
     for r in table:
@@ -379,7 +379,8 @@ def report(sweep_dir: str, make_plots: bool = True) -> dict:
     groups = aggregate(table, info)
     text = (
         f"# {info['id']}\n\n`{info['command']}`\n\n"
-        "Mean +- std over seeds (n: finished runs).\n\n" + markdown(groups, info)
+        "Mean +- std over seeds (the population std, ddof=0; n: finished runs).\n\n"
+        + markdown(groups, info)
     )
     atomic_write_text(os.path.join(sweep_dir, "results.md"), text)
     plots = plot(groups, info, os.path.join(sweep_dir, "plots")) if make_plots else []
