@@ -15,6 +15,10 @@ import json
 import sys
 
 from ._cli import fail
+from .checkpointing import CheckpointError, atomic_write_text, output_problem
+from .config import ConfigError
+from .evaluation import evaluate_run
+from .training import ExitCode, TrainingError, WorkdirError
 
 _PROGRAM = "ocformer.evaluate"
 
@@ -44,15 +48,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    from .checkpointing import output_problem
-
     if args.json is not None and (problem := output_problem(args.json, "--json")):
-        return fail(_PROGRAM, 2, problem)  # ExitCode.USAGE, before anything is evaluated
-    from .checkpointing import CheckpointError, atomic_write_text
-    from .config import ConfigError
-    from .evaluation import evaluate_run
-    from .training import ExitCode, TrainingError, WorkdirError
-
+        return fail(_PROGRAM, ExitCode.USAGE, problem)  # before anything is evaluated
     try:
         result = evaluate_run(args.workdir, args.overrides, args.step)
     except (ConfigError, CheckpointError, WorkdirError, FileNotFoundError) as e:

@@ -17,6 +17,7 @@ import os
 import sys
 
 from ._cli import fail
+from .sweeping import SweepError, SweepInterrupted, report, run_sweep
 
 _PROGRAM = "ocformer.sweep"
 
@@ -69,8 +70,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
-    from .sweeping import SweepError, SweepInterrupted, report, run_sweep
-
     if args_list[:1] == ["report"]:
         if len(args_list) != 2:
             return fail(_PROGRAM, 2, "usage: python -m ocformer.sweep report DIR")

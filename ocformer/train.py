@@ -18,8 +18,20 @@ import os
 import sys
 import types
 
+import jax
+
 from ._cli import fail
-from .training import train as _train
+from .checkpointing import CheckpointError
+from .config import ConfigError, apply_overrides, load_experiment
+from .distributed import DistributedError, initialize
+from .training import (
+    COMPILE_CACHE_ENV,
+    ExitCode,
+    TrainingError,
+    WorkdirError,
+    enable_compile_cache,
+    train as _train,
+)
 
 _PROGRAM = "ocformer.train"
 
@@ -69,23 +81,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    from .checkpointing import CheckpointError
-    from .config import ConfigError, apply_overrides, load_experiment
-    from .training import ExitCode, TrainingError, WorkdirError
-
     try:
         # Validated once, by train(), before anything is built or written.
         config = apply_overrides(load_experiment(args.config), args.overrides)
     except ConfigError as e:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     if config.model.dtype == "float64":
-        import jax
-
         jax.config.update("jax_enable_x64", True)
-    from .distributed import DistributedError, initialize
-    from .training import train
-    from .training._step import COMPILE_CACHE_ENV, enable_compile_cache
-
     if args.no_compile_cache:
         os.environ[COMPILE_CACHE_ENV] = "off"  # also for train(), which enables it
     enable_compile_cache()  # before anything is compiled
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     command = [sys.executable, "-m", "ocformer.train", *(sys.argv[1:] if argv is None else argv)]
     try:
-        train(config, args.workdir, argv=command, allow_config_change=args.allow_config_change)
+        _train(config, args.workdir, argv=command, allow_config_change=args.allow_config_change)
     except (ConfigError, WorkdirError, CheckpointError) as e:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     except FileNotFoundError as e:  # ocformer.tasks.DataNotFoundError and its kin

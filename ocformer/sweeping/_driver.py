@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..checkpointing import atomic_write_text
-from ..training import DirectoryLock, WorkdirError
+from ..training import DirectoryLock, WorkdirError, git_revision, package_versions
 from ._points import Point, check_buildable, resolve_points
 from ._results import report
 from ._run import is_finished, point_dir, read_status, run_local
@@ -97,8 +97,6 @@ def sweep_info(
     sweep: Sweep, sweep_path: str, arg: str | None, spec: str, points: Sequence[Point], argv
 ) -> dict:
     """What ``sweep.json`` records: command, revision, versions and resolved points."""
-    from ..training._run_info import git_revision, package_versions
-
     train_fields = [f for a in sweep.axes for f in a.fields] + [SEED_FIELD]
     eval_fields = [f for a in sweep.evaluate for f in a.fields]
     return {

@@ -16,15 +16,19 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from ..config import (
     ConfigError,
     apply_overrides,
+    from_dict,
     load_experiment,
     parse_override,
     to_dict,
     validate as validate_config,
 )
 from ..evaluation import check_discretisation_field
+from ..training import build
 from ._spec import SEED_FIELD, Axis, Sweep, SweepError, experiment_path, format_value
 
 # Sweep points never draw a progress bar: their output goes to log files.
@@ -269,11 +273,6 @@ def check_buildable(sweep_path: str, points: Sequence[Point]) -> None:
     Raises:
         SweepError: naming the point and the field.
     """
-    import jax
-
-    from ..config import from_dict
-    from ..training import build
-
     seen = set()
     for p in points:
         key = config_hash({**p.config, "train": {**p.config["train"], "seed": 0}})

@@ -27,8 +27,11 @@ from ._optimiser import (
     make_schedule as make_schedule,
     under_standard_promotion as under_standard_promotion,
 )
+from ._run_info import git_revision as git_revision, package_versions as package_versions
 from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
 from ._step import (
+    COMPILE_CACHE_ENV as COMPILE_CACHE_ENV,
+    enable_compile_cache as enable_compile_cache,
     gradient_bias as gradient_bias,
     make_bias_step as make_bias_step,
     make_eval_step as make_eval_step,

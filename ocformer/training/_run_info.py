@@ -6,6 +6,8 @@ import platform
 import subprocess
 import sys
 
+import jax
+
 _PACKAGES = (
     "ocformer",
     "jax",
@@ -47,8 +49,6 @@ def git_revision() -> dict[str, str | bool | None]:
 
 
 def platform_info() -> dict:
-    import jax
-
     return {
         "machine": platform.platform(),
         "backend": jax.default_backend(),
