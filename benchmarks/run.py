@@ -243,9 +243,8 @@ def format_summary(r: dict) -> str:
             for k, v in r["memory_vs_depth"].items()
         ),
     ]
-    e2e = r.get("end_to_end") or {}
-    if "not_run" not in e2e and format_end_to_end(e2e):
-        lines.append(format_end_to_end(e2e))
+    if e2e_lines := format_end_to_end(r.get("end_to_end") or {}):  # "" where not run
+        lines.append(e2e_lines)
     return "\n".join(lines)
 
 

@@ -125,13 +125,12 @@ def solver_stats(model, batch: dict) -> dict:
         k: int(v)
         for k, v in _solve_stats(model, jnp.asarray(batch["inputs"]), batch.get("key_mask")).items()
     }
-    out = {
+    return {
         "solver_steps": stats["num_steps"],
         "accepted_steps": stats["num_accepted_steps"],
         "rejected_steps": stats["num_rejected_steps"],
         "nfe": count_evaluations(_time_stepper(model), stats["num_steps"]),
     }
-    return out
 
 
 def evaluate(config: Config, model, task=None) -> dict:
