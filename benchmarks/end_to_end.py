@@ -42,11 +42,22 @@ def _run_once(spec: str, cache: str, overrides: Sequence[str]) -> dict:
                 "returncode": proc.returncode,
                 "command": " ".join(command[1:]),
             }
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+        metrics = os.path.join(workdir, "metrics.jsonl")
+        records = []
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+        rates = [r["steps_per_s"] for r in records if "steps_per_s" in r]
+        if not rates:
+            # Nothing to compare the wall clock with: the configuration's fault.
+            return {
+                "error": "error: the run logged no training steps, so it has no step time "
+                "to compare its wall clock with; give it train.steps >= 1",
+                "returncode": 2,
+                "command": " ".join(command[1:]),
+            }
         with open(os.path.join(workdir, "summary.json")) as f:
             summary = json.load(f)
-    rates = [r["steps_per_s"] for r in records if "steps_per_s" in r]
     steps = max(r["step"] for r in records)
     train_s = steps / statistics.median(rates)
     val = [r["val_loss"] for r in records if "val_loss" in r]
@@ -117,8 +128,17 @@ def format_summary(r: dict) -> str:
         if run and "ratio" in run:
             lines.append(f"{key} {run['ratio']:.3f} ({label}): {time_split(run)}")
         elif run is not None and "error" in run:
-            lines.append(f"{key}: the run failed: {run['error'].strip().splitlines()[-1]}")
+            lines.append(f"{key}: the run failed: {_failure(run)}")
     return "\n".join(lines)
+
+
+def _failure(run: dict) -> str:
+    """A failed run's last line of error output, or its exit status where it wrote none
+    (a run killed by a signal, say)."""
+    output = run["error"].strip().splitlines()
+    code = run["returncode"]
+    status = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    return output[-1] if output else f"{status}, no error output"
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

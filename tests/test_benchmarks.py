@@ -268,3 +268,30 @@ def test_end_to_end_passes_on_a_refused_configuration_as_exit_code_2(tmp_path, c
     report = json.loads(out.read_text())
     assert report["end_to_end_ratio"] is None and report["end_to_end"]["warm_cache"] is None
     assert report["end_to_end"]["returncode"] == 2
+
+
+def test_end_to_end_summary_names_a_failure_without_error_output():
+    """A run that wrote nothing to stderr (killed by a signal, say) is still reported,
+    by its exit status; one that did write is reported by its last line."""
+    from benchmarks.end_to_end import format_summary
+
+    killed = {"error": "", "returncode": -9, "command": "-m ocformer.train"}
+    assert format_summary(killed) == (
+        "end_to_end_ratio: the run failed: killed by signal 9, no error output"
+    )
+    refused = {"error": "Traceback\nerror: train.steps: must be >= 0\n", "returncode": 2}
+    assert format_summary({**refused, "command": ""}).endswith("error: train.steps: must be >= 0")
+    silent = {"error": "\n", "returncode": 1, "command": ""}
+    assert format_summary(silent).endswith("exit code 1, no error output")
+
+
+def test_end_to_end_refuses_a_run_without_training_steps(tmp_path, capsys):
+    """A run of no steps has no step time to compare its wall clock with: the
+    configuration's fault, exit code 2, with a message saying what to give instead."""
+    from benchmarks.end_to_end import main
+
+    smoke = os.path.join(REPO, "experiments", "smoke.py")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", smoke, "--set", "train.steps=0"])
+    assert exit_info.value.code == 2
+    assert "logged no training steps" in capsys.readouterr().out
