@@ -10,6 +10,7 @@ re-discretisation trains, and a run exported with ``python -m ocformer.export`` 
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from ocformer import export as export_cli, train as train_cli
 from ocformer.config import is_set, resolve
 from ocformer.evaluation import evaluate
-from ocformer.training import build, load_run
+from ocformer.training import _init_from, build, load_run
 from ocformer.training._init_from import architecture
 
 VOCAB, POSITIONS = 16, 16
@@ -118,6 +119,11 @@ def test_start_reproduces_the_checkpoint_loss(experiment, gpt2):
     ("sets", "words"),
     [
         (["model.init_from={empty}"], ["model.init_from", "neither"]),
+        (["model.init_from={empty}/gone"], ["model.init_from", "gone does not exist; give"]),
+        (
+            ["model.init_from={broken}"],
+            ["model.init_from", "broken/config.json cannot be rebuilt", "model.bogus"],
+        ),
         (["model.init_from={llama}"], ["model.init_from", "model_type='llama'"]),
         (["model.init_from={gpt2}@3"], ["model.init_from", "drop the '@3'"]),
         (["model.init_from={gpt2}", "model.width=24"], ["model.width", "24", "8"]),
@@ -142,7 +148,11 @@ def test_bad_start_is_refused_before_anything_is_written(
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    paths = {"empty": tmp_path / "empty", "llama": llama, "gpt2": gpt2[0]}
+    broken = tmp_path / "broken"  # a work directory whose configuration is not valid
+    broken.mkdir()
+    (broken / "ocformer_run.json").write_text("{}")
+    (broken / "config.json").write_text(json.dumps({"model": {"bogus": 1}}))
+    paths = {"empty": tmp_path / "empty", "llama": llama, "gpt2": gpt2[0], "broken": broken}
     sets = [s.format(**paths) for s in sets]
     argv = ["--config", experiment, "--workdir", str(tmp_path / "run")]
     code = train_cli.main([*argv, *(a for s in [*QUIET, *sets] for a in ("--set", s))])
@@ -237,6 +247,37 @@ def test_finetune_export_and_load_in_transformers(experiment, gpt2, tmp_path, ca
     for a, b in zip(jax.tree.leaves(exp.model), jax.tree.leaves(at_1)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     capsys.readouterr()
+
+
+def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
+    experiment, gpt2, tmp_path, monkeypatch, capsys
+):
+    """A run that resumes takes its parameters from its own checkpoint: the source of
+    ``model.init_from`` gives the model its structure only, so its files are not hashed
+    again and ``run.json`` keeps the first start's record; a source that has gone is
+    refused with exit code 2, its path and why a resume still reads it."""
+    source, run = tmp_path / "gpt2", tmp_path / "run"
+    shutil.copytree(gpt2[0], source)
+    sets = [f"model.init_from={source}", "train.checkpoint_every=1", "train.steps=1"]
+    _train(experiment, run, *sets)
+    first = json.loads((run / "run.json").read_text())["init_from"]
+    assert first["path"] == str(source) and len(first["sha256"]) == 1
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} hashed again on resume")
+
+    monkeypatch.setattr(_init_from, "_sha256", no_hashing)
+    _train(experiment, run, *sets)  # resumes at its end
+    info = json.loads((run / "run.json").read_text())
+    assert info["resumed_from_step"] == 1 and info["init_from"] == first
+    assert info["earlier_starts"][0]["init_from"] == first
+    shutil.rmtree(source)
+    argv = ["--config", experiment, "--workdir", str(run)]
+    capsys.readouterr()
+    assert train_cli.main([*argv, *(a for s in [*QUIET, *sets] for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert f"model.init_from: {source} does not exist" in err and "Traceback" not in err
+    assert f"{run} resumes from its own checkpoint" in err and "put the source back" in err
 
 
 def test_strang_rediscretisation_trains_and_is_not_exported(experiment, gpt2, tmp_path, capsys):

@@ -5,9 +5,12 @@ import glob
 import json
 import math
 import os
+import types
 
 import diffrax
+import equinox as eqx
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 import pytest
 from _faults import nan_at_update
@@ -16,10 +19,11 @@ from ocformer import train as cli
 from ocformer.checkpointing import CheckpointManager, NonFiniteCheckpointError
 from ocformer.config import OptimiserConfig, resolve
 from ocformer.objective import Objective
-from ocformer.tasks import prepare_text
+from ocformer.tasks import AbstractTextTask, prepare_text
 from ocformer.training import (
     ExitCode,
     NonFiniteError,
+    SolverFailure,
     _loop,
     build,
     load_run,
@@ -176,6 +180,19 @@ def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path, monkeypatch)
     assert [r["step"] for r in read_metrics(tmp_path / "lib")] == [1, 2]
 
 
+def test_an_overflowing_optimiser_state_is_found_at_its_step(tmp_path):
+    """A gradient finite in every entry but large enough for Adam's second moment to
+    overflow leaves the parameters finite (the update m / sqrt(inf) is zero) and the
+    optimiser state not: the step names it at once, rather than the run going on with
+    parameters that no longer move until a checkpoint refuses to be written."""
+    overrides = [*QUIET, "train.steps=2", "objective.control_size=1e30"]
+    config = resolve(SMOKE, [*overrides, "optimiser.clip_norm=none"])
+    with pytest.raises(NonFiniteError) as e:
+        train(config, str(tmp_path / "run"))
+    assert e.value.step == 1 and e.value.source == "optimiser state"
+    assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).steps() == []
+
+
 def test_checkpoint_with_nonfinite_values_is_never_written(tmp_path):
     mgr = CheckpointManager(str(tmp_path), keep=2)
     mgr.save(1, {"w": np.ones(3)})
@@ -258,6 +275,34 @@ def test_solver_failure_is_named_with_step_and_message(tmp_path, capsys):
     assert "SolverFailure: the ODE solve failed at training step 1" in err
     assert "maximum number of solver steps" in err
     assert CheckpointManager(str(tmp_path / "checkpoints")).steps() == []
+
+
+def test_a_failed_sampling_solve_is_a_solver_failure():
+    """Sampling solves at sequence lengths the training never ran: a solve that fails
+    there is a SolverFailure of the step (exit code 3), not a raw runtime error."""
+
+    class Text(AbstractTextTask):
+        kind, vocab_size, seq_len = "lm", 4, 8
+
+        def batch(self, split, index, batch_size, seed):
+            raise NotImplementedError
+
+        def encode(self, text):
+            return np.zeros(len(text), np.int32)
+
+        def decode(self, tokens):
+            return "x" * len(tokens)
+
+    class Failing:
+        def generate(self, key, prompt, n, temperature):
+            raise eqx.EquinoxRuntimeError("The maximum number of solver steps was reached.")
+
+    evaluation = _loop._Evaluation.__new__(_loop._Evaluation)
+    evaluation.task, evaluation.layout = Text(), types.SimpleNamespace(processes=1)
+    evaluation.tc = resolve(SMOKE, ["train.sample_tokens=5"]).train
+    with pytest.raises(SolverFailure) as e:
+        evaluation.sample(Failing(), jr.key(0), 7)
+    assert e.value.step == 7 and "maximum number of solver steps" in str(e.value)
 
 
 def test_schedule_is_warmup_then_cosine():

@@ -256,7 +256,9 @@ class TrainConfig:
     sample_prompt: str = _field("\n", "prompt of the samples")
     sample_temperature: float = _field(0.8, "sampling temperature", gt=0.0)
     on_nonfinite: str = _field(
-        "abort", "what a NaN/Inf in loss or gradients does", choices=("abort", "skip")
+        "abort",
+        "what a NaN/Inf in loss, gradients, parameters or optimiser state does",
+        choices=("abort", "skip"),
     )
     preempt_grace_s: float = _field(
         30.0, "after SIGTERM, seconds allowed to checkpoint before exiting anyway", gt=0.0

@@ -146,7 +146,7 @@ def evaluate(config: Config, model, task=None) -> dict:
         SolverFailure: a diffrax solve failed (step ``0`` stands for evaluation).
     """
     started = time.perf_counter()
-    exp = build(config, task)
+    exp = build(config, task, record_source=False)  # its objective and task; model given
     task = exp.task
     tc = config.task
     batches = [

@@ -53,7 +53,8 @@ class Experiment:
         schedule: learning rate by step.
         init_from: where the model started (``model.init_from``): the source's path and
             kind, the step of a work directory's checkpoint and the SHA-256 of its
-            weight files; None for a fresh initialisation.
+            weight files; None for a fresh initialisation (or with ``build``'s
+            ``record_source=False``).
         method: the ``ocformer.objective.MSA`` of ``train.method=msa``, or None for
             gradient training by ``optimiser``.
     """
@@ -201,9 +202,11 @@ def build_model(config: Config, task, key):
     return SequenceModel(embedding, transformer, readout)
 
 
-def start_model(config: Config, task) -> tuple[SequenceModel, dict]:
+def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceModel, dict | None]:
     """The model of ``model.init_from`` for ``task``, in the run's discretisation, and
-    the record of where it came from.
+    the record of where it came from (None without ``record``: the SHA-256 of the
+    source's weight files, which a large source takes a while to hash, is needed only
+    where the model starts a run).
 
     The source (a Hugging Face checkpoint directory or an ocformer work directory,
     ``PATH@STEP`` for one of its checkpoints) fixes the architecture; a field of the
@@ -226,13 +229,18 @@ def start_model(config: Config, task) -> tuple[SequenceModel, dict]:
             _, model, step, checkpoint = restore_run(source.path, source.step)
         except WorkdirError as e:
             raise ConfigError("model.init_from", str(e)) from None
+        except ConfigError as e:  # the source's configuration, not this run's
+            raise ConfigError(
+                "model.init_from",
+                f"{source.path}/config.json cannot be rebuilt by this version of ocformer: {e}",
+            ) from None
         files = [
             os.path.join(root, name) for root, _, names in os.walk(checkpoint) for name in names
         ]
     _init_from.check_architecture(config, source, _init_from.architecture(model))
     _init_from.check_task(config, task, model, source)
     model = _init_from.adapt(model, config, build_discretisation(config))
-    return model, _init_from.record(source, step, files)
+    return model, _init_from.record(source, step, files) if record else None
 
 
 def restore_run(
@@ -255,7 +263,8 @@ def restore_run(
             config = validate(from_dict(json.load(f)))
     except (OSError, json.JSONDecodeError) as e:
         raise WorkdirError(f"{path}/config.json cannot be read ({e})") from None
-    exp = build(config)
+    # The model is a template: the checkpoint replaces its parameters.
+    exp = build(config, record_source=False)
     # The checkpoint's arrays in the order training writes them: the model's, the
     # optimiser state, the random key, the step and the skipped-update count.
     params = eqx.filter(exp.model, eqx.is_array)
@@ -309,10 +318,15 @@ def _restore_despite_rotation(checkpoints: CheckpointManager, step, template, pa
     )
 
 
-def build(config: Config, task=None, mesh: Mesh | None = None) -> Experiment:
+def build(
+    config: Config, task=None, mesh: Mesh | None = None, *, record_source: bool = True
+) -> Experiment:
     """Build the run's objects from a validated ``config``.
 
-    The random initialisation depends on ``train.seed`` only. With a ``mesh`` whose
+    The random initialisation depends on ``train.seed`` only. With ``model.init_from``
+    the model is the source's, and ``Experiment.init_from`` records the source
+    (``record_source=False``: None, the source's files not hashed, for a model whose
+    parameters a checkpoint replaces). With a ``mesh`` whose
     ``depth`` axis has several devices (the run's ``Layout``), the model's
     depth-parallel solve splits its chunks over that axis.
 
@@ -330,7 +344,7 @@ def build(config: Config, task=None, mesh: Mesh | None = None) -> Experiment:
     if config.model.init_from is None:
         model, init_from = build_model(config, task, jr.key(config.train.seed)), None
     else:
-        model, init_from = start_model(config, task)
+        model, init_from = start_model(config, task, record=record_source)
     method = model.transformer.discretisation.depth_parallel
     if mesh is not None and method is not None and mesh.shape.get(DEPTH_AXIS, 1) > 1:
         model = rediscretise(model, depth_parallel=dataclasses.replace(method, mesh=mesh))

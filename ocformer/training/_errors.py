@@ -64,8 +64,9 @@ class SolverFailure(TrainingError):
 
 
 class NonFiniteError(TrainingError):
-    """NaN or Inf in ``source`` ("loss", "gradients" or "parameters") at step ``step``
-    with ``train.on_nonfinite="abort"``. No checkpoint holding it is ever written;
+    """NaN or Inf in ``source`` (an entry of ``FINITE_SOURCES``: "loss", "gradients",
+    "parameters" or "optimiser state") at step ``step`` with
+    ``train.on_nonfinite="abort"``. No checkpoint holding it is ever written;
     ``checkpoint`` is the newest committed one (the resume point), None if there is
     none yet."""
 

@@ -77,12 +77,19 @@ def parse_source(spec: str) -> Source:
                 f"the '@{step}'",
             )
         return Source(path, "checkpoint")
-    what = "does not exist" if not os.path.exists(path) else "holds neither"
+    hf, run = f"{CONFIG_FILE} with {WEIGHTS_FILE}", RUN_MARKER
+    if os.path.exists(path):
+        found = (
+            f"{path} holds neither a Hugging Face checkpoint ({hf}) nor an ocformer "
+            f"work directory ({run})"
+        )
+    else:
+        found = f"{path} does not exist"
     raise ConfigError(
         FIELD,
-        f"{path} {what} a Hugging Face checkpoint ({CONFIG_FILE} with {WEIGHTS_FILE}) nor "
-        f"an ocformer work directory ({RUN_MARKER}); give the directory that "
-        "save_pretrained or python -m ocformer.train wrote (PATH@STEP for a step of a run)",
+        f"{found}; give a Hugging Face checkpoint directory (what save_pretrained wrote) "
+        "or an ocformer work directory (what python -m ocformer.train wrote; PATH@STEP "
+        "for a step of its run)",
     )
 
 

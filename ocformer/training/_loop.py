@@ -43,7 +43,7 @@ import jax.random as jr
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..config import Config, from_dict, validate
+from ..config import Config, ConfigError, from_dict, validate
 from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
 from ..tasks import AbstractTask, AbstractTextTask
@@ -299,9 +299,13 @@ class _Evaluation:
                 return None
             model = eqx.combine(jax.tree.map(jnp.asarray, params), self.template)
         prompt = self.task.encode(self.tc.sample_prompt)
-        tokens = model.generate(
-            jr.fold_in(key, step), prompt, self.tc.sample_tokens, self.tc.sample_temperature
-        )
+        try:  # a solve of its own, at sequence lengths the training never ran
+            tokens = model.generate(
+                jr.fold_in(key, step), prompt, self.tc.sample_tokens, self.tc.sample_temperature
+            )
+            tokens = np.asarray(tokens)
+        except eqx.EquinoxRuntimeError as e:
+            raise SolverFailure.from_error(step, e) from None
         return self.tc.sample_prompt + self.task.decode(tokens)
 
 
@@ -404,7 +408,7 @@ def train(
     layout = Layout(config)  # a mesh larger than the devices is refused here
     run = RunDirectory(workdir, primary=is_primary(), barrier=layout.barrier)
     changes = run.check(config, allow_config_change=allow_config_change)
-    exp = build(config, mesh=layout.mesh)
+    exp = _build_for(run, config, layout)
     with run:
         resumed_from, state = _start(exp, config, run, layout, changes, argv)
         loop = _Loop(exp, config, run, layout, *state)
@@ -430,6 +434,30 @@ def train(
     if is_primary():
         _print_summary(summary)
     return summary
+
+
+def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
+    """The run's objects. A run that resumes takes its parameters from its own
+    checkpoint, so the source of ``model.init_from`` gives the model only its structure
+    and is not hashed again (``run.json`` carries the first start's record over).
+
+    Raises:
+        ConfigError: as ``build``; a resumed run's missing or changed source says why
+            it is still needed.
+    """
+    resuming = run.resumable()
+    try:
+        return build(config, mesh=layout.mesh, record_source=not resuming)
+    except ConfigError as e:
+        if not resuming or e.field != "model.init_from":
+            raise
+        raise ConfigError(
+            e.field,
+            f"{str(e).removeprefix(e.field + ': ')}. {run.path} resumes from its own "
+            "checkpoint, but a run that started from model.init_from reads the source "
+            "again for the model's structure (the parameters come from the checkpoint): "
+            "put the source back at that path",
+        ) from None
 
 
 def _start(exp: Experiment, config: Config, run: RunDirectory, layout: Layout, changes, argv):
@@ -634,7 +662,10 @@ class _Loop:
         rate["data_wait_fraction"] = self.wait_fraction()
         reason = None
         if biased is not None:
-            last.update({k: float(v) for k, v in jax.device_get(biased).items()})
+            try:  # the serial reference solve's failure shows here first
+                last.update({k: float(v) for k, v in jax.device_get(biased).items()})
+            except eqx.EquinoxRuntimeError as e:
+                raise SolverFailure.from_error(step, e) from None
             reason = self.fallback.after_bias(last["grad_cosine"])
         if evaluated:
             with self.timings.span("evaluation"):

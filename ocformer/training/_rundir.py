@@ -277,6 +277,11 @@ class RunDirectory:
 
     # -- writing -------------------------------------------------------------------
 
+    def resumable(self) -> bool:
+        """Whether the directory holds a committed checkpoint, so that ``start`` resumes
+        (or refuses a damaged one); reads only."""
+        return bool(CheckpointManager(os.path.join(self.path, "checkpoints")).steps())
+
     def start(
         self,
         config: Config,
@@ -291,7 +296,9 @@ class RunDirectory:
         ``template``, record the run, and rewind the logs to the restored step.
 
         ``init_from`` (where a fresh model came from: ``Experiment.init_from``) goes
-        into ``run.json``; each start's record is kept there, the newest first.
+        into ``run.json``; each start's record is kept there, the newest first, and a
+        resumed start without one keeps the record of the start before it (the model
+        still came from there).
 
         Returns:
             ``(step, restored)``: the restored step and tree, or ``(None, None)`` for a
@@ -440,6 +447,8 @@ class RunDirectory:
                 earlier = previous.pop("earlier_starts", [])
                 previous.pop("config", None)
                 earlier = [previous, *earlier]
+                if init_from is None:
+                    info["init_from"] = previous.get("init_from")
             except (OSError, ValueError):
                 earlier = []  # an unreadable record is replaced, not fatal
         info["earlier_starts"] = earlier

@@ -25,7 +25,11 @@ import optax
 from ..models import rediscretise
 from ..objective import MSA, msa_iteration
 
-FINITE_SOURCES: tuple[str, ...] = ("loss", "gradients", "parameters")
+# What every step checks, in this order. The optimiser state is checked apart from the
+# parameters: a gradient that is finite but large enough for Adam's running second
+# moment to overflow leaves the parameters finite (the update m / sqrt(inf) is zero) and
+# the state not, and with it every later update.
+FINITE_SOURCES: tuple[str, ...] = ("loss", "gradients", "parameters", "optimiser state")
 
 # Environment variable: a directory for JAX's persistent compilation cache, or one of
 # _OFF to leave it off.
@@ -102,7 +106,8 @@ def make_train_step(
     """``step(model, opt_state, batch) -> (model, opt_state, metrics, finite)``.
 
     ``finite`` holds one flag per entry of ``FINITE_SOURCES``. With ``skip_nonfinite``
-    an update whose loss, gradients or new parameters are not finite is discarded
+    an update whose loss, gradients, new parameters or new optimiser state are not
+    finite is discarded
     inside the compiled step (model and optimiser state are returned unchanged);
     otherwise it is returned as computed and the caller aborts before using it.
 
@@ -117,7 +122,14 @@ def make_train_step(
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, new_opt_state = optimiser.update(grads, opt_state, params)
         new_model = constraints.project(eqx.apply_updates(model, updates))
-        finite = jnp.stack([jnp.isfinite(loss), _all_finite(grads), _all_finite(new_model)])
+        finite = jnp.stack(
+            [
+                jnp.isfinite(loss),
+                _all_finite(grads),
+                _all_finite(new_model),
+                _all_finite(new_opt_state),
+            ]
+        )
         if skip_nonfinite:
             ok = finite.all()
             new_model = _select(ok, new_model, model)
@@ -133,8 +145,9 @@ def make_msa_step(objective, constraints, method: MSA, *, skip_nonfinite: bool) 
     """``step(model, state, batch) -> (model, state, metrics, finite)`` for
     ``train.method=msa``: one ``ocformer.objective.msa_iteration`` in place of the
     gradient update, with ``make_train_step``'s contract (``finite`` over the loss, the
-    backward sweep's gradient and the new parameters; a non-finite iteration discarded
-    with ``skip_nonfinite``) and its cache of compiled steps."""
+    backward sweep's gradient, the new parameters and the new method state; a
+    non-finite iteration discarded with ``skip_nonfinite``) and its cache of compiled
+    steps."""
 
     @eqx.filter_jit
     def step(model, state, batch):
@@ -146,6 +159,7 @@ def make_msa_step(objective, constraints, method: MSA, *, skip_nonfinite: bool) 
                 jnp.isfinite(metrics["loss"]),
                 jnp.isfinite(metrics["grad_norm"]),
                 _all_finite(new_model),
+                _all_finite(new_state),
             ]
         )
         if skip_nonfinite:
