@@ -17,7 +17,7 @@ from _faults import nan_at_update
 
 from ocformer import train as cli
 from ocformer.checkpointing import CheckpointManager, NonFiniteCheckpointError
-from ocformer.config import OptimiserConfig, resolve
+from ocformer.config import ConfigError, OptimiserConfig, resolve
 from ocformer.objective import Objective
 from ocformer.tasks import AbstractTextTask, prepare_text
 from ocformer.training import (
@@ -277,29 +277,50 @@ def test_solver_failure_is_named_with_step_and_message(tmp_path, capsys):
     assert CheckpointManager(str(tmp_path / "checkpoints")).steps() == []
 
 
+class _Text(AbstractTextTask):
+    """A text task of the symbols ``a`` and ``b``, for what only encodes and decodes."""
+
+    kind, vocab_size, seq_len = "lm", 2, 8
+
+    def batch(self, split, index, batch_size, seed):
+        raise NotImplementedError
+
+    def encode(self, text):
+        if set(text) - {"a", "b"}:
+            raise ValueError(f"characters {sorted(set(text) - {'a', 'b'})} are not in 'ab'")
+        return np.array([text.index(c) for c in text], np.int32)
+
+    def decode(self, tokens):
+        return "".join("ab"[t] for t in tokens)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [("", ["'' encodes to no symbols", "set train.sample_tokens=0"]),
+     ("abc", ["'abc' cannot be encoded: characters ['c'] are not in 'ab'"])],
+)  # fmt: skip
+def test_a_prompt_the_task_cannot_encode_is_refused_before_the_run(prompt, words):
+    """Sampling's prompt is checked when the run is built, not at its first evaluation
+    after steps of training."""
+    config = resolve(SMOKE, ["train.sample_tokens=5", f"train.sample_prompt={prompt}"])
+    with pytest.raises(ConfigError) as e:
+        build(config, task=_Text())
+    assert e.value.field == "train.sample_prompt"
+    for word in words:
+        assert word in str(e.value)
+
+
 def test_a_failed_sampling_solve_is_a_solver_failure():
     """Sampling solves at sequence lengths the training never ran: a solve that fails
     there is a SolverFailure of the step (exit code 3), not a raw runtime error."""
-
-    class Text(AbstractTextTask):
-        kind, vocab_size, seq_len = "lm", 4, 8
-
-        def batch(self, split, index, batch_size, seed):
-            raise NotImplementedError
-
-        def encode(self, text):
-            return np.zeros(len(text), np.int32)
-
-        def decode(self, tokens):
-            return "x" * len(tokens)
 
     class Failing:
         def generate(self, key, prompt, n, temperature):
             raise eqx.EquinoxRuntimeError("The maximum number of solver steps was reached.")
 
     evaluation = _loop._Evaluation.__new__(_loop._Evaluation)
-    evaluation.task, evaluation.layout = Text(), types.SimpleNamespace(processes=1)
-    evaluation.tc = resolve(SMOKE, ["train.sample_tokens=5"]).train
+    evaluation.task, evaluation.layout = _Text(), types.SimpleNamespace(processes=1)
+    evaluation.tc = resolve(SMOKE, ["train.sample_tokens=5", "train.sample_prompt=ab"]).train
     with pytest.raises(SolverFailure) as e:
         evaluation.sample(Failing(), jr.key(0), 7)
     assert e.value.step == 7 and "maximum number of solver steps" in str(e.value)

@@ -318,6 +318,24 @@ def _restore_despite_rotation(checkpoints: CheckpointManager, step, template, pa
     )
 
 
+def _check_prompt(prompt: str, task: AbstractTextTask) -> None:
+    """Refuse a sampling prompt the task cannot encode, before the run starts rather than
+    at its first evaluation."""
+    try:
+        tokens = task.encode(prompt)
+    except ValueError as e:
+        raise ConfigError(
+            "train.sample_prompt",
+            f"{prompt!r} cannot be encoded: {e}; or set train.sample_tokens=0",
+        ) from None
+    if len(tokens) == 0:
+        raise ConfigError(
+            "train.sample_prompt",
+            f"{prompt!r} encodes to no symbols, and sampling starts from at least one: give "
+            "a prompt such as '\\n', or set train.sample_tokens=0",
+        )
+
+
 def build(
     config: Config, task=None, mesh: Mesh | None = None, *, record_source: bool = True
 ) -> Experiment:
@@ -341,6 +359,8 @@ def build(
             f"task {config.task.name!r} is not a text language model, so it has nothing "
             "to sample; set train.sample_tokens=0",
         )
+    if config.train.sample_tokens:
+        _check_prompt(config.train.sample_prompt, task)
     if config.model.init_from is None:
         model, init_from = build_model(config, task, jr.key(config.train.seed)), None
     else:
