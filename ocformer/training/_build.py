@@ -353,13 +353,13 @@ def build(
         ocformer.tasks.DataNotFoundError: the task's data is not on disk.
     """
     task = build_task(config) if task is None else task
-    if config.train.sample_tokens and not isinstance(task, AbstractTextTask):
-        raise ConfigError(
-            "train.sample_tokens",
-            f"task {config.task.name!r} is not a text language model, so it has nothing "
-            "to sample; set train.sample_tokens=0",
-        )
     if config.train.sample_tokens:
+        if not isinstance(task, AbstractTextTask):
+            raise ConfigError(
+                "train.sample_tokens",
+                f"task {config.task.name!r} is not a text language model, so it has "
+                "nothing to sample; set train.sample_tokens=0",
+            )
         _check_prompt(config.train.sample_prompt, task)
     if config.model.init_from is None:
         model, init_from = build_model(config, task, jr.key(config.train.seed)), None
