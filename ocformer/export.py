@@ -9,6 +9,10 @@ stack which ``transformers`` evaluates; any other is refused, naming the fields 
 differ. Only a model that started from a checkpoint (``model.init_from``) has a format
 to be written back in.
 
+A destination that holds files ocformer did not write is refused unless ``--overwrite``
+(which replaces it whole); the checkpoint the run started from and the work directory
+itself are refused always.
+
 Exit codes: 0 written, 2 refused (bad work directory, step, discretisation or
 destination; nothing written), 1 unexpected error.
 """
@@ -48,16 +52,26 @@ def nonstandard_fields(config: Config) -> dict[str, tuple]:
     return out
 
 
-def export(workdir: str | os.PathLike, to: str | os.PathLike, step: int | None = None) -> str:
+def export(
+    workdir: str | os.PathLike,
+    to: str | os.PathLike,
+    step: int | None = None,
+    *,
+    overwrite: bool = False,
+) -> str:
     """Write the model of ``workdir`` (its newest checkpoint, or ``step``) to ``to`` as
     a Hugging Face checkpoint directory; returns its path.
 
+    Args:
+        overwrite: replace ``to`` whole even if it holds files ocformer did not write.
+
     Raises:
         ConfigError: the run is not in the standard discretisation (the fields named),
-            or did not start from a checkpoint.
+            did not start from a checkpoint, or ``to`` is the checkpoint it started from
+            (which resuming the run reads), the run itself, or a file.
         WorkdirError: not a work directory, or no such checkpoint.
         FileExistsError: ``to`` is a directory that ocformer did not write and is not
-            empty. Nothing is written in any of these cases.
+            empty, and ``overwrite`` is off. Nothing is written in any of these cases.
     """
     workdir = os.fspath(workdir)
     config, model = load_run(workdir, step)
@@ -83,11 +97,28 @@ def export(workdir: str | os.PathLike, to: str | os.PathLike, step: int | None =
     if dataset is not None and os.path.isfile(os.path.join(dataset, TOKENIZER_FILE)):
         files[TOKENIZER_FILE] = os.path.join(dataset, TOKENIZER_FILE)
     path = os.path.abspath(os.fspath(to))
+    for other, what in [
+        (_started_from(workdir), "the checkpoint this run started from (model.init_from), "
+         "which resuming it reads"),
+        (os.path.abspath(workdir), "the run's own work directory"),
+    ]:  # fmt: skip
+        if other is not None and os.path.realpath(other) == os.path.realpath(path):
+            raise ConfigError("--to", f"{path} is {what}; write the export elsewhere")
     try:
-        to_pretrained(model, path, files=files)  # type: ignore[arg-type]
+        to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
     except ValueError as e:
         raise ConfigError("--to", str(e)) from None
     return path
+
+
+def _started_from(workdir: str) -> str | None:
+    """The absolute path of the checkpoint directory the run first started from, as its
+    ``run.json`` records it; None if it records none."""
+    try:
+        with open(os.path.join(workdir, "run.json"), encoding="utf-8") as f:
+            return (json.load(f).get("init_from") or {}).get("path")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,6 +129,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("workdir", metavar="WORKDIR", help="the ocformer work directory")
     p.add_argument("--to", required=True, metavar="DIR", help="the checkpoint directory")
     p.add_argument("--step", type=int, metavar="N", help="the checkpoint (default: newest)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --to whole even if it holds files that ocformer did not write",
+    )
     return p
 
 
@@ -119,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _enable_x64_if_needed(args.workdir)
     try:
-        path = export(args.workdir, args.to, args.step)
+        path = export(args.workdir, args.to, args.step, overwrite=args.overwrite)
     except (ConfigError, WorkdirError, CheckpointError, FileExistsError) as e:
-        return fail(_PROGRAM, ExitCode.USAGE, str(e))
+        # The library's advice in the command line's words.
+        return fail(_PROGRAM, ExitCode.USAGE, str(e).replace("overwrite=True", "--overwrite"))
     print(f"ocformer.export: wrote {path}", flush=True)
     return ExitCode.OK
 

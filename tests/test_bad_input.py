@@ -7,6 +7,7 @@ variance meeting the eps = 0 projection) goes through ``eqx.error_if``: under
 carrying the same message. It is never a silent NaN.
 """
 
+import json
 import os
 import re
 import shutil
@@ -313,7 +314,35 @@ PREPARE_REFUSALS = [
         "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char",
         "--out", os.path.dirname(_file(t, "out/notes.txt", b"mine"))],
      r"--out .*out is a non-empty directory not written by ocformer \(it holds notes\.txt"),
+    ("out-a-dataset-holding-other-files", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char",
+        "--out", _dataset_with(t / "ds", "NOTES.md")],
+     r"--out .*ds is a dataset but also holds NOTES\.md, which replacing the dataset would "
+     r"delete"),
+    ("out-a-symbolic-link", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char", "--out", _link(t)],
+     r"--out .*link is a symbolic link; give the directory itself"),
+    ("out-below-a-file", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char",
+        "--out", _file(t, "f.txt", b"x") + "/sub/ds"],
+     r"--out .*f\.txt/sub/ds: .*f\.txt is not a directory"),
+    ("file-given-twice", lambda t: [
+        "--input", _file(t, "in/a.txt", _GOOD), _file(t, "in/b.txt", _GOOD), f"{t}/in/*.txt",
+        "--tokenizer", "char"],
+     r"--input .*in/a\.txt is given twice \(by '.*in/a\.txt' and by '.*in/\*\.txt'\)"),
 ]  # fmt: skip
+
+
+def _dataset_with(directory, name: str) -> str:
+    prepare_text([_file(directory.parent, "c.txt", _GOOD)], "char", directory, progress=False)
+    (directory / name).write_text("mine")
+    return str(directory)
+
+
+def _link(directory) -> str:
+    (directory / "real").mkdir()
+    os.symlink(directory / "real", directory / "link")
+    return str(directory / "link")
 
 
 @pytest.mark.parametrize(
@@ -344,6 +373,16 @@ def _corrupt(name: str, edit):
     return apply
 
 
+def _edit_manifest(edit):
+    def apply(directory):
+        path = directory / "manifest.json"
+        manifest = json.loads(path.read_text())
+        edit(manifest)
+        path.write_text(json.dumps(manifest))
+
+    return apply
+
+
 DATASET_REFUSALS = [
     # (id, corruption of a copy of a good dataset, error type, message naming the file)
     ("truncated-train-bin", _corrupt("train.bin", lambda b: b[:-2]), ValueError,
@@ -356,6 +395,19 @@ DATASET_REFUSALS = [
      r"tokenizer\.json is missing or does not match the SHA-256"),
     ("manifest-not-json", _corrupt("manifest.json", lambda b: b[:-5]), ValueError,
      r"manifest\.json is not a valid dataset manifest"),
+    ("manifest-dtype", _edit_manifest(lambda m: m.update(dtype="foo")), ValueError,
+     r"manifest\.json is not a valid dataset manifest \(ValueError: dtype is 'foo', "
+     r"expected 'uint16' or 'uint32'\)"),
+    ("manifest-vocab-size", _edit_manifest(lambda m: m.update(vocab_size="abc")), ValueError,
+     r"manifest\.json is not a valid dataset manifest \(ValueError: vocab_size is 'abc'"),
+    ("manifest-tokenizer-hash", _edit_manifest(lambda m: m["tokenizer"].pop("sha256")),
+     ValueError, r"manifest\.json is not a valid dataset manifest \(ValueError: "
+     r"tokenizer\.sha256 is None, expected a hex digest\)"),
+    ("manifest-tokenizer-not-a-record", _edit_manifest(lambda m: m.update(tokenizer="x")),
+     ValueError, r"manifest\.json is not a valid dataset manifest \(AttributeError"),
+    ("manifest-split-hash", _edit_manifest(lambda m: m["splits"]["train"].pop("sha256")),
+     ValueError, r"manifest\.json is not a valid dataset manifest \(ValueError: "
+     r"splits\.train\.sha256 is None"),
     ("not-a-dataset-directory", lambda d: (d / "manifest.json").unlink(), ValueError,
      r"task\.path .*ds is not a dataset directory \(no manifest\.json\)"),
     ("path-missing", lambda d: shutil.rmtree(d), FileNotFoundError,

@@ -177,6 +177,7 @@ BAD_CONFIGS = [
     (["discretisation.stepper=tsit"], "discretisation.stepper", "did you mean 'tsit5'"),
     (["discretisation.sub_solver=rk4"], "discretisation.sub_solver", "'midpoint'"),
     (["task.name=imagenet"], "task.name", "allowed: 'shakespeare_char'"),
+    (["task.path=data/mine"], "task.path", "task.name=copy would ignore it"),
     (["model.norm=middle"], "model.norm", "allowed: 'pre', 'post'"),
     (["optimiser.name=lion"], "optimiser.name", "'adamw'"),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite", "'abort', 'skip'"),

@@ -240,6 +240,19 @@ def test_finetune_export_and_load_in_transformers(experiment, gpt2, tmp_path, ca
     np.testing.assert_array_equal(greedy, out[0, 4:].numpy())
     # Exporting into the same directory again is allowed (ocformer wrote it).
     assert export_cli.main([str(run), "--to", str(tmp_path / "hf"), "--step", "1"]) == 0
+    # A directory of other files only with --overwrite, which the refusal names; never the
+    # checkpoint the run started from (resuming reads it), even with --overwrite.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert export_cli.main([str(run), "--to", str(tmp_path / "mine")]) == 2
+    assert "pass --overwrite to replace" in capsys.readouterr().err
+    assert export_cli.main([str(run), "--to", str(tmp_path / "mine"), "--overwrite"]) == 0
+    assert not (tmp_path / "mine" / "notes.txt").exists()
+    before = sorted(os.listdir(path))
+    assert export_cli.main([str(run), "--to", str(path), "--overwrite"]) == 2
+    assert "is the checkpoint this run started from" in capsys.readouterr().err
+    assert sorted(os.listdir(path)) == before
     # Step 1 of the run as a start: its arrays, and the record names that step.
     exp = build(config(experiment, f"model.init_from={run}@1"))
     _, at_1 = load_run(run, 1)

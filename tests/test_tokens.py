@@ -159,6 +159,23 @@ def test_small_chunks_give_the_same_files(tmp_path, tokenizer):
     assert ids.tolist() == _reference_ids(tmp_path / "many", text)
 
 
+def test_text_without_spaces_splits_at_the_characters_of_the_split_byte(tmp_path):
+    """One line of CJK text (no space or newline after 90 % of it) in fewer chunks than
+    force a cut: validation starts at the first character boundary at or after the
+    split byte, for any chunk size; missing parents of --out are created."""
+    text = "".join(chr(0x4E00 + (i * 7919) % 500) for i in range(3000))  # 3 bytes each
+    corpus = _write(tmp_path / "zh.txt", text)
+    split_byte = -(-len(text.encode()) * 9 // 10)
+    for chunk in (1 << 20, 1024):
+        out = tmp_path / "new" / "parents" / str(chunk)
+        manifest = prepare_text([str(corpus)], "char", out, chunk_bytes=chunk, progress=False)
+        split = manifest["splits"]
+        assert split["train"]["tokens"] == -(-split_byte // 3) == 2700
+        assert split["validation"]["tokens"] == 300
+        task = Tokens(out, seq_len=4)
+        assert task.decode(_ids(out, "val.bin")) == text[2700:]
+
+
 @pytest.fixture(scope="module")
 def task(corpus, tmp_path_factory):
     root, _, _ = corpus

@@ -211,6 +211,12 @@ def _check_combinations(c: Config) -> None:
             "written by `python -m ocformer.tasks.prepare text --input FILE --tokenizer "
             "char --out DIR`",
         )
+    if c.task.path and c.task.name != "tokens":
+        raise ConfigError(
+            "task.path",
+            f"only task.name=tokens reads a dataset directory; task.name={c.task.name} "
+            "would ignore it: add --set task.name=tokens, or drop task.path",
+        )
     if m.attention == "conv" and m.conv_kernel % 2 == 0:
         raise ConfigError(
             "model.conv_kernel",

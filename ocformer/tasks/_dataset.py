@@ -61,6 +61,7 @@ FORMAT = "ocformer-tokens"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 SPLIT_FILES = {"train": "train.bin", "validation": "val.bin"}
+DATASET_FILES = {MANIFEST_FILE, TOKENIZER_FILE, *SPLIT_FILES.values()}
 VALIDATION_FRACTION = 0.1
 CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 8
@@ -97,11 +98,13 @@ def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
     """The files of ``patterns`` (paths or globs, each glob's matches sorted), in order.
 
     Raises:
-        CorpusError: a pattern matching nothing, a path that is not a file, an empty file.
+        CorpusError: a pattern matching nothing, a path that is not a file, an empty file,
+            a file given twice (its text would be trained on twice).
     """
     if not patterns:
         raise CorpusError("--input: give at least one text file or glob")
     files: list[pathlib.Path] = []
+    seen: dict[pathlib.Path, str] = {}  # resolved path -> the pattern that gave it
     for pattern in patterns:
         if glob.has_magic(pattern):
             matches = sorted(glob.glob(pattern, recursive=True))
@@ -117,6 +120,12 @@ def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
                 raise CorpusError(f"--input {path}: not a regular file")
             if path.stat().st_size == 0:
                 raise CorpusError(f"--input {path}: the file is empty; remove it from --input")
+            if path.resolve() in seen:
+                raise CorpusError(
+                    f"--input {path} is given twice (by {seen[path.resolve()]!r} and by "
+                    f"{pattern!r}); give each file once"
+                )
+            seen[path.resolve()] = pattern
             files.append(path)
     return files
 
@@ -178,7 +187,8 @@ def stream_pieces(
     total = sum(f.stat().st_size for f in files)
     split_byte = math.ceil(total * (1.0 - VALIDATION_FRACTION))
     split, start = "train", 0  # start: corpus offset of the current file
-    for file in files:
+    for index, file in enumerate(files):
+        last = index == len(files) - 1
         buf, off, eof, want = b"", 0, False, chunk_bytes
         with open(file, "rb") as fh:
             while buf or not eof:
@@ -196,7 +206,8 @@ def stream_pieces(
                         continue
                     if rel <= len(buf):
                         cut = _first_cut(buf, rel)
-                        if cut is None and len(buf) >= MAX_CHUNKS * chunk_bytes:
+                        # No boundary for MAX_CHUNKS chunks, or none before the corpus ends.
+                        if cut is None and (len(buf) >= MAX_CHUNKS * chunk_bytes or eof and last):
                             cut = _char_boundary(buf, rel)
                         if cut is not None:
                             yield Piece("train", buf[:cut], file, off)
@@ -248,18 +259,32 @@ class _Writer:
 
 
 def check_out(out: pathlib.Path) -> None:
-    """Refuse an ``--out`` that exists and is not empty and not a dataset of ours."""
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise CorpusError(f"--out {out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()) and _read_format(out) != FORMAT:
-        names = sorted(p.name for p in out.iterdir())[:5]
+    """Refuse an ``--out`` that exists and is not empty and not a dataset of ours alone
+    (replacing it would delete the other files), and one below a file."""
+    if out.is_symlink():
         raise CorpusError(
-            f"--out {out} is a non-empty directory not written by ocformer (it holds "
-            f"{', '.join(names)}, and no {MANIFEST_FILE} of format {FORMAT!r}); choose an "
-            "empty or new directory"
+            f"--out {out} is a symbolic link; give the directory itself ({out.resolve()})"
         )
-    if not out.parent.is_dir():
-        raise CorpusError(f"--out {out}: the parent directory {out.parent} does not exist")
+    if out.exists() and not out.is_dir():
+        raise CorpusError(f"--out {out} exists and is not a directory; choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        names = sorted(p.name for p in out.iterdir())
+        if _read_format(out) != FORMAT:
+            raise CorpusError(
+                f"--out {out} is a non-empty directory not written by ocformer (it holds "
+                f"{', '.join(names[:5])}, and no {MANIFEST_FILE} of format {FORMAT!r}); "
+                "choose an empty or new directory"
+            )
+        foreign = [n for n in names if n not in DATASET_FILES]
+        if foreign:
+            raise CorpusError(
+                f"--out {out} is a dataset but also holds {', '.join(foreign[:5])}, which "
+                "replacing the dataset would delete; move them out or choose another "
+                "directory"
+            )
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise CorpusError(f"--out {out}: {parent} is not a directory")
 
 
 def _read_format(out: pathlib.Path) -> str | None:
@@ -323,6 +348,10 @@ def prepare_text(
     dtype = dtype_for(vocab_size)
     table = char_table(tok) if spec.kind == "char" else None
 
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CorpusError(f"--out {out}: cannot create {out.parent} ({e.strerror})") from None
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         umask = os.umask(0)
@@ -355,8 +384,7 @@ def prepare_text(
             if not record["tokens"]:
                 raise CorpusError(
                     f"--input: the corpus ({total} bytes) gives no {s} tokens: it is too "
-                    "short to split, or has no space or newline after 90% of its bytes; "
-                    "give more text"
+                    "short to split; give more text"
                 )
         manifest = {
             "format": FORMAT,
@@ -443,10 +471,23 @@ def _manifest(path: pathlib.Path) -> dict:
         manifest = json.loads(file.read_text(encoding="utf-8"))
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
-        for key in ("vocab_size", "dtype", "splits", "tokenizer"):
-            manifest[key]  # noqa: B018 - presence check
-        for split in SPLIT_FILES:
-            int(manifest["splits"][split]["tokens"])
+        vocab_size = manifest["vocab_size"]
+        if type(vocab_size) is not int or vocab_size < 1:
+            raise ValueError(f"vocab_size is {vocab_size!r}, expected a positive integer")
+        if manifest["dtype"] not in ("uint16", "uint32"):
+            raise ValueError(f"dtype is {manifest['dtype']!r}, expected 'uint16' or 'uint32'")
+        records = {"tokenizer": manifest["tokenizer"]} | {
+            f"splits.{split}": manifest["splits"][split] for split in SPLIT_FILES
+        }
+        for name, record in records.items():
+            if not isinstance(record.get("sha256"), str):
+                raise ValueError(
+                    f"{name}.sha256 is {record.get('sha256')!r}, expected a hex digest"
+                )
+            if name != "tokenizer" and (
+                type(record.get("tokens")) is not int or record["tokens"] < 0
+            ):
+                raise ValueError(f"{name}.tokens is {record.get('tokens')!r}, expected a count")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DatasetError(
             f"{file} is not a valid dataset manifest ({type(e).__name__}: {e}); prepare "
