@@ -241,3 +241,47 @@ def test_train_on_a_prepared_corpus_samples_text(corpus, tmp_path, capsys):
     # the manifest's 300 symbols; the config's vocab_size of 8 would give 2.1).
     assert metrics["step"] == 2
     assert np.log(vocab) - 1 < metrics["val_loss"] < np.log(vocab) + 2
+
+
+def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
+    """run.json records the SHA-256 of the dataset's files; a dataset prepared again at
+    the same task.path (same vocabulary, other text) is named on resume (exit 2, unless
+    --allow-config-change) and refused by ocformer.evaluate, instead of silently giving
+    the numbers of other data."""
+    from ocformer import evaluate as evaluate_cli
+
+    root, a, b = corpus
+    data = tmp_path / "data"
+    first = prepare_text([str(root / "a.txt"), str(root / "b.txt")], "char", data, progress=False)
+    run = tmp_path / "run"
+    argv = [
+        "--config", SMOKE, "--workdir", str(run), "--set", "task.name=tokens",
+        "--set", f"task.path={data}", "--set", "task.seq_len=8", "--set", "task.batch_size=4",
+        "--set", "task.eval_batch_size=4", "--set", "task.eval_batches=1",
+        "--set", "train.eval_every=1", "--set", "train.progress=false",
+    ]  # fmt: skip
+    assert cli.main([*argv, "--set", "train.steps=1"]) == ExitCode.OK
+    recorded = json.loads((run / "run.json").read_text())["dataset"]
+    assert recorded == {
+        "path": str(data.resolve()),
+        "tokenizer_sha256": first["tokenizer"]["sha256"],
+        "train_sha256": first["splits"]["train"]["sha256"],
+        "validation_sha256": first["splits"]["validation"]["sha256"],
+    }
+    # The same files in another order: the same symbols, other ids.
+    again = prepare_text([str(root / "b.txt"), str(root / "a.txt")], "char", data, progress=False)
+    assert again["tokenizer"]["sha256"] == first["tokenizer"]["sha256"]
+    capsys.readouterr()
+    assert cli.main([*argv, "--set", "train.steps=2"]) == ExitCode.USAGE
+    err = capsys.readouterr().err
+    then, now = first["splits"]["train"]["sha256"][:12], again["splits"]["train"]["sha256"][:12]
+    assert f"task.path dataset: 'train.bin {then}," in err and f"'train.bin {now}," in err
+    assert "prepared again since the run started" in err
+    assert evaluate_cli.main([str(run)]) == ExitCode.USAGE
+    assert "was trained on other data than the dataset directory" in capsys.readouterr().err
+    # Allowed: the run goes on, on the new data, which it records.
+    assert cli.main([*argv, "--set", "train.steps=2", "--allow-config-change"]) == ExitCode.OK
+    assert json.loads((run / "run.json").read_text())["dataset"]["train_sha256"] == (
+        again["splits"]["train"]["sha256"]
+    )
+    assert evaluate_cli.main([str(run)]) == ExitCode.OK

@@ -12,6 +12,7 @@ from ._corpus import (
 from ._dataset import (
     CorpusError as CorpusError,
     DatasetError as DatasetError,
+    dataset_identity as dataset_identity,
     open_dataset as open_dataset,
     prepare_text as prepare_text,
     verify_dataset as verify_dataset,

@@ -578,6 +578,24 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
     return Dataset(path, manifest, int(manifest["vocab_size"]), dtype, splits, tokenizer)
 
 
+def dataset_identity(path: str | os.PathLike) -> dict | None:
+    """What a run records of the dataset it trains on: the directory and the SHA-256 of
+    its tokenizer and of each split, as its manifest states them (opening the dataset
+    checks the files against the manifest). None if there is no readable manifest
+    (opening the dataset reports that)."""
+    path = pathlib.Path(path)
+    try:
+        manifest = _manifest(path)
+    except (DataNotFoundError, DatasetError):
+        return None
+    splits = manifest["splits"]
+    return {
+        "path": str(path.resolve()),
+        "tokenizer_sha256": manifest["tokenizer"]["sha256"],
+        **{f"{split}_sha256": splits[split]["sha256"] for split in SPLIT_FILES},
+    }
+
+
 def verify_dataset(path: str | os.PathLike) -> dict:
     """The full check of a dataset directory: ``open_dataset``'s checks, plus the SHA-256
     of each .bin file and the range of every id, whatever the size. Returns the manifest.

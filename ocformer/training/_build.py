@@ -35,7 +35,7 @@ from ..tasks import TASKS, AbstractTextTask, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser, under_standard_promotion
-from ._rundir import RUN_MARKER
+from ._rundir import RUN_MARKER, dataset_change
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +263,13 @@ def restore_run(
             config = validate(from_dict(json.load(f)))
     except (OSError, json.JSONDecodeError) as e:
         raise WorkdirError(f"{path}/config.json cannot be read ({e})") from None
+    if (changed := dataset_change(path, config)) is not None:
+        raise WorkdirError(
+            f"{path} was trained on other data than the dataset directory at task.path "
+            f"{config.task.path} holds now (SHA-256 prefixes then: {changed[0]}; now: "
+            f"{changed[1]}): it was prepared again since. Put back the dataset the run "
+            "trained on to load the run"
+        )
     # The model is a template: the checkpoint replaces its parameters.
     exp = build(config, record_source=False)
     # The checkpoint's arrays in the order training writes them: the model's, the

@@ -111,6 +111,11 @@ class WorkdirError(ValueError):
     exit_code = ExitCode.USAGE
 
 
+# The entry of ``ConfigChanged.changes`` for a dataset directory that holds other data
+# than the run recorded (it was prepared again at the same ``task.path``).
+DATASET_CHANGE = "task.path dataset"
+
+
 class ConfigChanged(WorkdirError):
     """Resuming a work directory with a configuration other than the one it holds.
 
@@ -120,6 +125,12 @@ class ConfigChanged(WorkdirError):
     def __init__(self, workdir: str, changes: dict[str, tuple]):
         self.changes = changes
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+        if DATASET_CHANGE in changes:
+            listed += (
+                " (the dataset directory at task.path was prepared again since the run "
+                "started: SHA-256 prefixes of its files then and now; put back the one "
+                "the run trained on)"
+            )
         super().__init__(
             f"work directory {workdir} holds a run of another configuration; changed "
             f"fields: {listed}. Resuming would mix two runs in one history. Use a new "

@@ -27,7 +27,8 @@ from ..checkpointing import (
     remove_stale_temporaries,
 )
 from ..config import Config, ConfigError, to_dict
-from ._errors import ConfigChanged, WorkdirError
+from ..tasks import dataset_identity
+from ._errors import DATASET_CHANGE, ConfigChanged, WorkdirError
 from ._lock import LOCK_FILE, DirectoryLock
 from ._metrics import MetricsLog, TensorBoard, rewind_samples
 from ._run_info import git_revision, package_versions, platform_info
@@ -38,6 +39,40 @@ RUN_MARKER = "ocformer_run.json"
 PRESENTATION_FIELDS: frozenset[str] = frozenset(
     {"train.progress", "train.preempt_grace_s", "train.stop_check_every", "mesh.data", "mesh.model"}
 )
+
+
+def run_dataset(config: Config) -> dict | None:
+    """The identity (``dataset_identity``) of the dataset directory a run of ``config``
+    trains on; None for a task that reads none."""
+    if config.task.name != "tokens" or not config.task.path:
+        return None
+    return dataset_identity(config.task.path)
+
+
+def _describe_dataset(identity: dict) -> str:
+    files = {"train": "train.bin", "validation": "val.bin", "tokenizer": "tokenizer.json"}
+    return ", ".join(f"{name} {identity[f'{key}_sha256'][:12]}" for key, name in files.items())
+
+
+def dataset_change(workdir: str, config: Config) -> tuple[str, str] | None:
+    """``(then, now)`` (the SHA-256 prefixes of its files) when the dataset directory a
+    run of ``config`` reads holds other data than the run in ``workdir`` recorded in its
+    ``run.json``; None when they agree, or either is unknown."""
+    current = run_dataset(config)
+    try:
+        with open(os.path.join(workdir, "run.json"), encoding="utf-8") as f:
+            recorded = json.load(f).get("dataset")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if current is None or not isinstance(recorded, dict):
+        return None
+    keys = [k for k in current if k.endswith("_sha256")]
+    if all(recorded.get(k) == current[k] for k in keys):
+        return None
+    try:
+        return _describe_dataset(recorded), _describe_dataset(current)
+    except (KeyError, TypeError):
+        return "unreadable", _describe_dataset(current)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -186,6 +221,7 @@ class RunDirectory:
         self._lock = DirectoryLock(self.path)
         self._allow_config_change = False
         self._config_recovered_from: str | None = None  # checkpoint config.json came from
+        self._dataset: dict | None = None  # the identity of the dataset the run reads
 
     # -- inspecting (changes nothing) ------------------------------------------------
 
@@ -219,6 +255,7 @@ class RunDirectory:
             ConfigError: a batch larger than this machine's memory (``check_memory``).
         """
         check_memory(config)
+        self._dataset = run_dataset(config)
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise WorkdirError(
                 f"work directory {self.path} is a file, not a directory; choose another --workdir"
@@ -271,6 +308,8 @@ class RunDirectory:
         if latest is None:
             return {}  # nothing to resume: the new run replaces an empty history
         changes = config_changes(self.stored_config, config)
+        if (changed := dataset_change(self.path, config)) is not None:
+            changes[DATASET_CHANGE] = changed
         if changes and not allow_config_change:
             raise ConfigChanged(self.path, changes)
         return changes
@@ -434,6 +473,7 @@ class RunDirectory:
             "git": git_revision(),
             "platform": platform_info(),
             "init_from": init_from,
+            "dataset": self._dataset,
             "config": resolved,
         }
         # A resumed run keeps the records of the earlier starts (without their config,
