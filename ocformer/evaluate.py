@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         f"val loss {result['val_loss']:.4f}"
         + ("" if acc is None else f"   val accuracy {acc:.3f}")
         + ("" if result["nfe"] is None else f"   NFE {result['nfe']}")
-        + f"   solver steps {result['solver_steps']}",
+        + ("" if result["solver_steps"] is None else f"   solver steps {result['solver_steps']}"),
         flush=True,
     )
     return ExitCode.OK

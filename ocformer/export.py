@@ -3,8 +3,8 @@
 Writes the trained model of an ocformer work directory as a Hugging Face checkpoint
 directory (``ocformer.convert.to_pretrained``), with the task's ``tokenizer.json`` when
 the run's dataset directory (``task.path``) has one. Only a run in the standard
-discretisation (the Lie scheme, one explicit-Euler step per layer, piecewise-constant
-controls, the split formulation) can be exported: that discretisation *is* the layer
+discretisation (the Lie scheme, one explicit-Euler step per layer solved serially in
+depth, piecewise-constant controls, the split formulation) can be exported: that discretisation *is* the layer
 stack which ``transformers`` evaluates; any other is refused, naming the fields that
 differ. Only a model that started from a checkpoint (``model.init_from``) has a format
 to be written back in.
@@ -36,6 +36,7 @@ _STANDARD = (
     ("discretisation", "sub_solver", DiscretisationConfig().sub_solver),
     ("discretisation", "steps_per_layer", 1),
     ("discretisation", "stepsize", DiscretisationConfig().stepsize),
+    ("discretisation", "depth_parallel", DiscretisationConfig().depth_parallel),
     ("model", "formulation", ModelConfig().formulation),
     ("controls", "kind", ControlsConfig().kind),
 )

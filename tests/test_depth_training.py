@@ -146,3 +146,26 @@ def test_bad_depth_training_is_refused_by_name(overrides, field, words, tmp_path
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert field in err and words in err
+
+
+def test_a_depth_parallel_run_is_evaluated_as_trained_and_serially(tmp_path, capsys):
+    """``ocformer.evaluate`` of a depth-parallel run gives its training's validation loss
+    (the depth-parallel solve), without solver counts (many chunk solves are not one
+    solve's steps), and under the serial solve the counts of that solve."""
+    from ocformer import evaluate as evaluate_cli
+
+    run = tmp_path / "run"
+    train(resolve(SMOKE64, [*PARAREAL, "train.steps=2", "train.eval_every=2"]), str(run))
+    trained = _records(str(run))[2]["val_loss"]
+    capsys.readouterr()
+    out = tmp_path / "as_trained.json"
+    assert evaluate_cli.main([str(run), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["val_loss"] == pytest.approx(trained, rel=1e-12)
+    assert result["solver_steps"] is None and result["nfe"] is None
+    assert "solver steps" not in capsys.readouterr().out
+    serial = tmp_path / "serial.json"
+    argv = [str(run), "--set", "discretisation.depth_parallel=none", "--json", str(serial)]
+    assert evaluate_cli.main(argv) == 0
+    result = json.loads(serial.read_text())
+    assert result["solver_steps"] == 2 and result["val_loss"] != pytest.approx(trained, rel=1e-9)

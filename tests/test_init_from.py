@@ -293,6 +293,18 @@ def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
     assert f"{run} resumes from its own checkpoint" in err and "put the source back" in err
 
 
+def test_the_export_refuses_every_discretisation_but_the_layer_stack(experiment):
+    """Each field that makes the solve other than the standard layer stack is named,
+    the depth-parallel solve (an approximation of the serial one) included."""
+    assert export_cli.nonstandard_fields(config(experiment)) == {}
+    for field, value in [
+        ("discretisation.stepper", "strang"), ("discretisation.steps_per_layer", 2),
+        ("discretisation.depth_parallel", "parareal"), ("controls.kind", "piecewise_linear"),
+    ]:  # fmt: skip
+        differ = export_cli.nonstandard_fields(config(experiment, f"{field}={value}"))
+        assert list(differ) == [field] and differ[field][0] == value
+
+
 def test_strang_rediscretisation_trains_and_is_not_exported(experiment, gpt2, tmp_path, capsys):
     """Start from GPT-2, run it with Strang at two steps per layer, fine-tune: one
     command; the export refuses it, naming the fields."""

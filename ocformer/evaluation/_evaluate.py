@@ -119,12 +119,15 @@ def solver_stats(model, batch: dict) -> dict:
     one fewer after the first step for first-same-as-last solvers); ``None`` for
     implicit solvers, whose count depends on their root finder's iterations, and for
     splitting schemes, whose steps evaluate sub-flows rather than the whole vector
-    field.
+    field. Every count is ``None`` for a depth-parallel solve, which is many chunk
+    solves (fine and coarse, in each iteration) rather than one.
     """
     stats = {
         k: int(v)
         for k, v in _solve_stats(model, jnp.asarray(batch["inputs"]), batch.get("key_mask")).items()
     }
+    if not stats:  # a depth-parallel solve reports none
+        return dict.fromkeys(("solver_steps", "accepted_steps", "rejected_steps", "nfe"))
     return {
         "solver_steps": stats["num_steps"],
         "accepted_steps": stats["num_accepted_steps"],
