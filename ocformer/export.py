@@ -4,10 +4,10 @@ Writes the trained model of an ocformer work directory as a Hugging Face checkpo
 directory (``ocformer.convert.to_pretrained``), with the task's ``tokenizer.json`` when
 the run's dataset directory (``task.path``) has one. Only a run in the standard
 discretisation (the Lie scheme, one explicit-Euler step per layer solved serially in
-depth, piecewise-constant controls, the split formulation) can be exported: that discretisation *is* the layer
-stack which ``transformers`` evaluates; any other is refused, naming the fields that
-differ. Only a model that started from a checkpoint (``model.init_from``) has a format
-to be written back in.
+depth, piecewise-constant controls, the split formulation) can be exported: that
+discretisation *is* the layer stack which ``transformers`` evaluates; any other is
+refused, naming the fields that differ. Only a model that started from a checkpoint
+(``model.init_from``) has a format to be written back in.
 
 A destination that holds files ocformer did not write is refused unless ``--overwrite``
 (which replaces it whole); the checkpoint the run started from and the work directory

@@ -21,7 +21,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ocformer import export as export_cli, train as train_cli
-from ocformer.config import is_set, resolve
+from ocformer.config import ConfigError, is_set, resolve
 from ocformer.evaluation import evaluate
 from ocformer.training import _init_from, build, load_run
 from ocformer.training._init_from import architecture
@@ -290,7 +290,13 @@ def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
     assert train_cli.main([*argv, *(a for s in [*QUIET, *sets] for a in ("--set", s))]) == 2
     err = capsys.readouterr().err
     assert f"model.init_from: {source} does not exist" in err and "Traceback" not in err
-    assert f"{run} resumes from its own checkpoint" in err and "put the source back" in err
+    assert (
+        f"{run} takes its parameters from its own checkpoint" in err
+        and "put the source back" in err
+    )
+    # So do the readers of the run (evaluate, export), which read the source alike.
+    with pytest.raises(ConfigError, match=f"{run} takes its parameters from its own checkpoint"):
+        load_run(run)
 
 
 def test_the_export_refuses_every_discretisation_but_the_layer_stack(experiment):

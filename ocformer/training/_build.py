@@ -271,7 +271,7 @@ def restore_run(
             "trained on to load the run"
         )
     # The model is a template: the checkpoint replaces its parameters.
-    exp = build(config, record_source=False)
+    exp = build_from_own_checkpoint(config, path)
     # The checkpoint's arrays in the order training writes them: the model's, the
     # optimiser state, the random key, the step and the skipped-update count.
     params = eqx.filter(exp.model, eqx.is_array)
@@ -341,6 +341,27 @@ def _check_prompt(prompt: str, task: AbstractTextTask) -> None:
             f"{prompt!r} encodes to no symbols, and sampling starts from at least one: give "
             "a prompt such as '\\n', or set train.sample_tokens=0",
         )
+
+
+def build_from_own_checkpoint(config: Config, workdir: str, **kwargs) -> Experiment:
+    """``build(config, record_source=False, **kwargs)`` for the run in ``workdir``, whose
+    parameters come from its own checkpoint: the source of ``model.init_from`` gives the
+    model only its structure and is not hashed again.
+
+    Raises:
+        ConfigError: as ``build``; a missing or changed source says why it is still read.
+    """
+    try:
+        return build(config, record_source=False, **kwargs)
+    except ConfigError as e:
+        if e.field != "model.init_from":
+            raise
+        raise ConfigError(
+            e.field,
+            f"{str(e).removeprefix(e.field + ': ')}. {workdir} takes its parameters from "
+            "its own checkpoint, but a run that started from model.init_from reads the "
+            "source again for the model's structure: put the source back at that path",
+        ) from None
 
 
 def build(

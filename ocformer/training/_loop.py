@@ -43,11 +43,11 @@ import jax.random as jr
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..config import Config, ConfigError, from_dict, validate
+from ..config import Config, from_dict, validate
 from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
 from ..tasks import AbstractTask, AbstractTextTask
-from ._build import Experiment, build
+from ._build import Experiment, build, build_from_own_checkpoint
 from ._depth_fallback import DepthFallback, carry_state
 from ._errors import NonFiniteError, Preempted, SolverFailure
 from ._optimiser import make_schedule, with_schedule
@@ -438,26 +438,11 @@ def train(
 
 def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
     """The run's objects. A run that resumes takes its parameters from its own
-    checkpoint, so the source of ``model.init_from`` gives the model only its structure
-    and is not hashed again (``run.json`` carries the first start's record over).
-
-    Raises:
-        ConfigError: as ``build``; a resumed run's missing or changed source says why
-            it is still needed.
-    """
-    resuming = run.resumable()
-    try:
-        return build(config, mesh=layout.mesh, record_source=not resuming)
-    except ConfigError as e:
-        if not resuming or e.field != "model.init_from":
-            raise
-        raise ConfigError(
-            e.field,
-            f"{str(e).removeprefix(e.field + ': ')}. {run.path} resumes from its own "
-            "checkpoint, but a run that started from model.init_from reads the source "
-            "again for the model's structure (the parameters come from the checkpoint): "
-            "put the source back at that path",
-        ) from None
+    checkpoint (``build_from_own_checkpoint``: ``run.json`` carries the first start's
+    record of its source over)."""
+    if run.resumable():
+        return build_from_own_checkpoint(config, run.path, mesh=layout.mesh)
+    return build(config, mesh=layout.mesh)
 
 
 def _start(exp: Experiment, config: Config, run: RunDirectory, layout: Layout, changes, argv):
