@@ -398,6 +398,9 @@ DATASET_REFUSALS = [
     ("manifest-dtype", _edit_manifest(lambda m: m.update(dtype="foo")), ValueError,
      r"manifest\.json is not a valid dataset manifest \(ValueError: dtype is 'foo', "
      r"expected 'uint16' or 'uint32'\)"),
+    ("manifest-byte-order", _edit_manifest(lambda m: m.update(byte_order="big")), ValueError,
+     r"manifest\.json is not a valid dataset manifest \(ValueError: byte_order is 'big', "
+     r"expected 'little'\)"),
     ("manifest-vocab-size", _edit_manifest(lambda m: m.update(vocab_size="abc")), ValueError,
      r"manifest\.json is not a valid dataset manifest \(ValueError: vocab_size is 'abc'"),
     ("manifest-tokenizer-hash", _edit_manifest(lambda m: m["tokenizer"].pop("sha256")),
@@ -409,9 +412,9 @@ DATASET_REFUSALS = [
      ValueError, r"manifest\.json is not a valid dataset manifest \(ValueError: "
      r"splits\.train\.sha256 is None"),
     ("not-a-dataset-directory", lambda d: (d / "manifest.json").unlink(), ValueError,
-     r"task\.path .*ds is not a dataset directory \(no manifest\.json\)"),
+     r"ds is not a dataset directory \(no manifest\.json\)"),
     ("path-missing", lambda d: shutil.rmtree(d), FileNotFoundError,
-     r"task\.path .*ds does not exist\. Prepare a dataset there"),
+     r"ds does not exist\. Prepare a dataset there"),
 ]  # fmt: skip
 
 

@@ -281,7 +281,8 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
     assert "was trained on other data than the dataset directory" in capsys.readouterr().err
     # Allowed: the run goes on, on the new data, which it records.
     assert cli.main([*argv, "--set", "train.steps=2", "--allow-config-change"]) == ExitCode.OK
-    assert json.loads((run / "run.json").read_text())["dataset"]["train_sha256"] == (
-        again["splits"]["train"]["sha256"]
+    assert (
+        json.loads((run / "run.json").read_text())["dataset"]["train_sha256"]
+        == (again["splits"]["train"]["sha256"])
     )
     assert evaluate_cli.main([str(run)]) == ExitCode.OK

@@ -252,7 +252,11 @@ class TrainConfig:
     checkpoint_every: int = _field(50, "save a checkpoint every this many steps", ge=1)
     keep_checkpoints: int = _field(3, "checkpoints kept (older ones deleted)", ge=1)
     log_every: int = _field(1, "append a metrics line every this many steps", ge=1)
-    sample_tokens: int = _field(0, "characters sampled at each evaluation (language models)", ge=0)
+    sample_tokens: int = _field(
+        0,
+        "tokens sampled at each evaluation (language models; characters for a character task)",
+        ge=0,
+    )
     sample_prompt: str = _field("\n", "prompt of the samples")
     sample_temperature: float = _field(0.8, "sampling temperature", gt=0.0)
     on_nonfinite: str = _field(

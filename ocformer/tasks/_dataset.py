@@ -454,23 +454,28 @@ class Dataset:
         return self.path / SPLIT_FILES[split]
 
 
-def _manifest(path: pathlib.Path) -> dict:
+def _manifest(path: pathlib.Path, label: str = "task.path ") -> dict:
+    """The manifest of the dataset directory ``path`` (named ``label + path``), with
+    every field the readers use checked."""
     if not path.exists():
         raise DataNotFoundError(
-            f"task.path {path} does not exist. Prepare a dataset there with `python -m "
+            f"{label}{path} does not exist. Prepare a dataset there with `python -m "
             "ocformer.tasks.prepare text --input FILE --tokenizer char --out "
             f"{path}`"
         )
     file = path / MANIFEST_FILE
     if not path.is_dir() or not file.is_file():
         raise DatasetError(
-            f"task.path {path} is not a dataset directory (no {MANIFEST_FILE}); give a "
+            f"{label}{path} is not a dataset directory (no {MANIFEST_FILE}); give a "
             "directory written by `python -m ocformer.tasks.prepare text`"
         )
     try:
         manifest = json.loads(file.read_text(encoding="utf-8"))
         if manifest.get("format") != FORMAT:
             raise ValueError(f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
+        for key, expected in (("version", FORMAT_VERSION), ("byte_order", "little")):
+            if manifest.get(key) != expected:
+                raise ValueError(f"{key} is {manifest.get(key)!r}, expected {expected!r}")
         vocab_size = manifest["vocab_size"]
         if type(vocab_size) is not int or vocab_size < 1:
             raise ValueError(f"vocab_size is {vocab_size!r}, expected a positive integer")
@@ -604,7 +609,7 @@ def verify_dataset(path: str | os.PathLike) -> dict:
         DataNotFoundError, DatasetError: as ``open_dataset``.
     """
     path = pathlib.Path(path)
-    manifest = _manifest(path)
+    manifest = _manifest(path, label="")
     _check_files(path, manifest)
     _check_contents(path, manifest)
     return manifest
