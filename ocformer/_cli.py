@@ -7,7 +7,10 @@ line (the sweep records it as a point's error). Every ``main(argv)`` of the pack
 reports through :func:`fail`.
 """
 
+import os
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 
 def fail(program: str | None, code: int, message: str) -> int:
@@ -27,3 +30,45 @@ def fail(program: str | None, code: int, message: str) -> int:
     prefix = "error" if program is None else f"{program}: error"
     print(f"{prefix}: {message}", file=sys.stderr, flush=True)
     return code
+
+
+class _StdoutOfGoneReader:
+    """``sys.stdout`` that stops writing once its reader has gone (a pipe closed early,
+    as by ``| head``) instead of raising ``BrokenPipeError`` into the command: a run
+    goes on to its end and exit code, and only the lines nobody reads are dropped."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        self._gone = True
+        # What is still buffered is flushed at exit: into /dev/null, not the closed pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def exit_with(main: Callable[[], int]) -> NoReturn:
+    """Exit with ``main()``'s code, as a ``python -m`` entry point: its output may go to
+    a reader that stops reading early."""
+    sys.stdout = _StdoutOfGoneReader(sys.stdout)
+    sys.exit(int(main()))

@@ -12,9 +12,8 @@ that is not a discretisation field, an invalid value, no checkpoint), 3 solver f
 
 import argparse
 import json
-import sys
 
-from ._cli import fail
+from ._cli import exit_with, fail
 from .checkpointing import CheckpointError, atomic_write_text, output_problem
 from .config import ConfigError
 from .evaluation import evaluate_run
@@ -73,4 +72,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(int(main()))
+    exit_with(main)

@@ -20,9 +20,8 @@ destination; nothing written), 1 unexpected error.
 import argparse
 import json
 import os
-import sys
 
-from ._cli import fail
+from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import to_pretrained
@@ -165,4 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(int(main()))
+    exit_with(main)

@@ -13,7 +13,7 @@ import argparse
 import shlex
 import sys
 
-from ._cli import fail
+from ._cli import exit_with, fail
 from .distributed import (
     GRACE_S,
     LaunchError,
@@ -99,4 +99,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

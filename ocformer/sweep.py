@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from ._cli import fail
+from ._cli import exit_with, fail
 from .sweeping import SweepError, SweepInterrupted, report, run_sweep
 
 _PROGRAM = "ocformer.sweep"
@@ -110,4 +110,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(int(main()))
+    exit_with(main)

