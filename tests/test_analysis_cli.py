@@ -47,3 +47,12 @@ def test_refused_scheme_is_a_cell_and_the_others_are_computed(tmp_path, capsys):
     rows = [line.split() for line in table.splitlines()]
     assert ["2", f"{lie['errors'][0]:.3e}", "refused"] in rows
     assert any(line.startswith("parallel refused:") for line in table.splitlines())
+
+
+def test_the_json_is_strict_with_a_non_finite_number_as_null():
+    """A local slope of an exact scheme is log(0/0): written as null, not as NaN (which
+    strict JSON readers refuse)."""
+    result = {"slope": 1.0, "local_slopes": [float("nan"), 2.0], "x": (float("inf"), "a")}
+    assert json.loads(json.dumps(cli._finite(result), allow_nan=False)) == {
+        "slope": 1.0, "local_slopes": [None, 2.0], "x": [None, "a"],
+    }  # fmt: skip

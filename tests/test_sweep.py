@@ -948,6 +948,10 @@ def test_progress_line_counts_and_eta():
     progress.starts = {threading.get_ident(): time.perf_counter() - 4.0}
     # One point not started (10 s) plus the running one's remaining ~6 s, over 2 workers.
     assert progress.line().startswith("sweep: 2/5 done, 1 running, 1 failed, ETA 8s")
+    # A point stopped by a signal is interrupted, not failed, and its time is no point's.
+    progress.finish("interrupted", 4.0)
+    assert progress.line().startswith("sweep: 2/5 done, 0 running, 1 failed, 1 interrupted, ")
+    assert progress.times == [10.0]
 
 
 # -- evaluation ----------------------------------------------------------------------

@@ -127,6 +127,11 @@ def _changed_steps(tmp_path, reference):
     return argv(d, "train.steps=16"), d
 
 
+def _fewer_steps_than_reached(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    return argv(d, "train.steps=6", flags=["--allow-config-change"]), d
+
+
 def _changed_numerics(tmp_path, reference):
     d = copy_of(reference, tmp_path)
     return argv(d, "optimiser.learning_rate=0.01", "model.activation=relu"), d
@@ -252,6 +257,8 @@ BAD_INPUTS = [
     ("workdir cannot be created", _cannot_create, 2, ["ocformer_test_run/run cannot be created"]),
     ("resume with train.steps changed", _changed_steps, 2,
      ["changed fields: train.steps: 12 -> 16", "--allow-config-change"]),
+    ("resume with fewer steps than reached", _fewer_steps_than_reached, 2,
+     ["train.steps: 6 is below step 12, which the run in", "a run is not rewound"]),
     ("resume with numerics changed", _changed_numerics, 2,
      ["model.activation: 'gelu' -> 'relu'", "optimiser.learning_rate: 0.003 -> 0.01"]),
     ("unknown experiment argument", _experiment_argument, 2,

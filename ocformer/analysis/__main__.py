@@ -21,9 +21,9 @@ from ._convergence import STUDY_FORMULATIONS
 
 
 def _listed(text: str, parse, what: str, example: str) -> list:
-    """Comma-separated values, each through ``parse``; at least one. Raises
+    """Comma-separated distinct values, each through ``parse``; at least one. Raises
     ``argparse.ArgumentTypeError`` (argparse names the option) for a value that does not
-    parse or an empty list."""
+    parse, one given twice, or an empty list."""
     values = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
@@ -36,6 +36,12 @@ def _listed(text: str, parse, what: str, example: str) -> list:
             ) from None
     if not values:
         raise argparse.ArgumentTypeError(f"no values given; give e.g. {example}")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(map(str, repeated))} given twice; the points of a fit must differ, "
+            f"e.g. {example}"
+        )
     return values
 
 
@@ -72,6 +78,17 @@ def _epsilons(text: str) -> list[float]:
     return _listed(text, parse, "a finite number > 0", "0.1,0.03,0.01")
 
 
+def _finite(tree):
+    """``tree`` with every NaN or infinite float replaced by None."""
+    if isinstance(tree, dict):
+        return {k: _finite(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_finite(v) for v in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ocformer.analysis")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,7 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     conv.add_argument("--formulation", default="pre", choices=STUDY_FORMULATIONS)
     conv.add_argument("--seed", type=int, default=0)
-    conv.add_argument("--epsilons", default="0.1,0.03,0.01,0.003,0.001", type=_epsilons)
+    conv.add_argument(
+        "--epsilons",
+        default=None,
+        type=_epsilons,
+        help="with --formulation relaxed (and no --relaxation-eps): the epsilons of the "
+        "error in epsilon (default 0.1,0.03,0.01,0.003,0.001)",
+    )
     conv.add_argument(
         "--relaxation-eps",
         type=float,
@@ -104,6 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0), or a bad argument: argparse named it (2)
         return int(e.code or 0)
+    if args.epsilons is not None and (
+        args.formulation != "relaxed" or args.relaxation_eps is not None
+    ):
+        return fail(
+            None,
+            2,
+            "--epsilons are the epsilons of the error in epsilon of --formulation relaxed "
+            "without --relaxation-eps; this study does not read them: drop --epsilons",
+        )
     for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
         problem = None if path is None else output_problem(path, option)
         if problem is not None:
@@ -120,14 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             args.steps,
             formulation=args.formulation,
             seed=args.seed,
-            epsilons=args.epsilons,
+            **({} if args.epsilons is None else {"epsilons": args.epsilons}),
             relaxation_eps=args.relaxation_eps,
         )
     except ValueError as err:
         return fail(None, 2, str(err))
     print(format_table(result))
     if args.json_path:
-        atomic_write_text(args.json_path, json.dumps(result, indent=2))
+        # Strict JSON: a non-finite number (the local slope of an exact scheme) as null.
+        atomic_write_text(args.json_path, json.dumps(_finite(result), indent=2, allow_nan=False))
     if args.plot:
         plot_study(result, args.plot)
     return 0

@@ -207,8 +207,10 @@ def convergence_study(
     eps_study = formulation == "relaxed" and relaxation_eps is None
     u0 = study_input(model, seed)
     steps = sorted(int(m) for m in steps)
-    if not eps_study and len(steps) < 2:
-        raise ValueError(f"A slope needs at least two step counts, got {steps}.")
+    if not eps_study and len(set(steps)) < 2:
+        raise ValueError(f"A slope needs at least two distinct step counts, got {steps}.")
+    if len(set(steps)) < len(steps) or len(set(epsilons)) < len(epsilons):
+        raise ValueError(f"A step count or epsilon is given twice: {steps}, {list(epsilons)}.")
     t0, t1 = model.control.interval
     length = (t1 - t0) / model.num_layers
     ref_steps = reference_factor * (relaxed_steps if eps_study else steps[-1])

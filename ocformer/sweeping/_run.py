@@ -289,12 +289,14 @@ def _fmt_time(seconds: float) -> str:
 
 
 class Progress:
-    """The progress line: points done / running / failed, and an ETA from the mean
-    time of the points finished so far."""
+    """The progress line: points done / running / failed (and interrupted, once a
+    stopped sweep recorded some), and an ETA from the mean time of the points finished
+    so far."""
 
     def __init__(self, total: int, parallel: int, skipped: int, stream):
         self.total, self.parallel, self.stream = total, parallel, stream
         self.done, self.failed, self.running, self.skipped = skipped, 0, 0, skipped
+        self.interrupted = 0
         self.times: list[float] = []
         self.starts: dict[int, float] = {}  # running points by thread: start time
         self.started = time.perf_counter()
@@ -303,7 +305,7 @@ class Progress:
         self.last_time = 0.0
 
     def line(self) -> str:
-        left = self.total - self.done - self.failed
+        left = self.total - self.done - self.failed - self.interrupted
         eta = "?"
         if self.times:
             # Work left: the points not started, plus what the running ones still need
@@ -317,7 +319,9 @@ class Progress:
             eta = "0s"
         return (
             f"sweep: {self.done}/{self.total} done, {self.running} running, "
-            f"{self.failed} failed, ETA {eta} (elapsed "
+            f"{self.failed} failed, "
+            + (f"{self.interrupted} interrupted, " if self.interrupted else "")
+            + f"ETA {eta} (elapsed "
             f"{_fmt_time(time.perf_counter() - self.started)})"
         )
 
@@ -336,15 +340,19 @@ class Progress:
             self.starts[threading.get_ident()] = time.perf_counter()
         self.show()
 
-    def finish(self, ok: bool, seconds: float) -> None:
+    def finish(self, status: str, seconds: float) -> None:
+        """A point ended with ``status`` (``done``, ``interrupted`` or ``failed``)."""
         with self.lock:
             self.running -= 1
             self.starts.pop(threading.get_ident(), None)
-            if ok:
+            if status == "done":
                 self.done += 1
+            elif status == "interrupted":
+                self.interrupted += 1  # it runs again when the sweep is resumed
             else:
                 self.failed += 1
-            self.times.append(seconds)
+            if status != "interrupted":  # a stopped point's time says nothing of a point's
+                self.times.append(seconds)
         self.show()
 
 
@@ -421,7 +429,7 @@ def run_local(
         progress.start()
         t = time.perf_counter()
         status = run_point(sweep_dir, point)
-        progress.finish(status.get("status") == "done", time.perf_counter() - t)
+        progress.finish(status.get("status", "failed"), time.perf_counter() - t)
         return status
 
     pool = ThreadPoolExecutor(max_workers=parallel)

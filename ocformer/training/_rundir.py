@@ -312,6 +312,13 @@ class RunDirectory:
             changes[DATASET_CHANGE] = changed
         if changes and not allow_config_change:
             raise ConfigChanged(self.path, changes)
+        if config.train.steps < latest:
+            raise ConfigError(
+                "train.steps",
+                f"{config.train.steps} is below step {latest}, which the run in "
+                f"{self.path} has reached (its newest checkpoint); a run is not rewound: "
+                f"give train.steps >= {latest}, or use a new --workdir",
+            )
         return changes
 
     # -- writing -------------------------------------------------------------------
