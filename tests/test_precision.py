@@ -2,6 +2,8 @@
 float32 to bfloat16's precision; layer-norm statistics, the softmax and the loss are
 computed in float32; parameters, optimiser state and checkpoints stay float32."""
 
+import dataclasses
+import json
 import os
 from collections import Counter
 from typing import Any, cast
@@ -272,6 +274,18 @@ def test_command_line_bfloat16_run_keeps_float32_state_and_checkpoints(tmp_path,
     model = cast(Any, load_run(tmp_path)[1])
     initial = build(resolve(SMOKE, ["optimiser.warmup_steps=0"])).model
     assert not np.array_equal(np.asarray(model.readout.weight), np.asarray(initial.readout.weight))
+    # ocformer.evaluate computes in the run's precision, as the run's own evaluation did
+    # (in float32 its loss is another number: about 7e-4 relative here).
+    from ocformer.evaluation import evaluate, evaluate_run
+
+    trained = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    with jax.numpy_dtype_promotion("standard"):
+        again = evaluate_run(str(tmp_path))["val_loss"]
+    config = load_run(tmp_path)[0]
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, precision=None))
+    in_float32 = evaluate(config, model)["val_loss"]
+    assert again == pytest.approx(trained[-1]["val_loss"], rel=1e-6)
+    assert abs(in_float32 - again) > 1e-5 * again
 
 
 def test_under_standard_promotion_runs_optax_adam_unchanged():

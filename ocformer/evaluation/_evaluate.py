@@ -29,6 +29,7 @@ from ..training import (
     load_run,
     make_eval_step,
     validation_metrics,
+    with_precision,
 )
 
 # The config section that describes how the equation is discretised (nothing else may
@@ -156,7 +157,7 @@ def evaluate(config: Config, model, task=None) -> dict:
         {k: jnp.asarray(v) for k, v in b.items()}
         for b in task.eval_batches(tc.eval_batch_size, tc.eval_batches, config.train.seed)
     ]
-    step = make_eval_step(exp.objective)
+    step = make_eval_step(with_precision(exp.objective, config))  # as training evaluates
     try:
         records = [{k: float(v) for k, v in step(model, b).items()} for b in batches]
         stats = solver_stats(model, batches[0])

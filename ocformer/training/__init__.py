@@ -20,7 +20,7 @@ from ._errors import (
 )
 from ._load_run import load_run as load_run
 from ._lock import LOCK_FILE as LOCK_FILE, DirectoryLock as DirectoryLock
-from ._loop import train as train
+from ._loop import train as train, with_precision as with_precision
 from ._metrics import MetricsLog as MetricsLog
 from ._optimiser import (
     make_optimiser as make_optimiser,
