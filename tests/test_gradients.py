@@ -288,3 +288,18 @@ def test_otd_on_pre_ln_vmaps():
     )
     mean = jax.tree.map(lambda g: jnp.mean(g, axis=0), per_example)
     assert relative_gap(mean, value_and_grad(objective, model, BATCH)) < 1e-10
+
+
+def test_otd_of_a_float32_model_walks_a_float32_grid_back_under_x64():
+    """With 64-bit JAX on (this suite), the backward grid of a float32 model is float32
+    as the forward's times are (it was JAX's default float64: the backward solve failed
+    to trace); its gradient is the float64 model's to float32 rounding."""
+    model = build("pre", diffrax.Euler(), 2, OptimiseThenDiscretise())
+    to32 = lambda x: x.astype(jnp.float32) if eqx.is_inexact_array(x) else x  # noqa: E731
+    model32 = jax.tree.map(to32, model)
+    grad32 = value_and_grad(OBJECTIVE, model32, BATCH)
+    assert {x.dtype for x in jax.tree.leaves(grad32) if eqx.is_inexact_array(x)} == {
+        jnp.dtype("float32")
+    }
+    grad64 = value_and_grad(OBJECTIVE, model, BATCH)
+    assert relative_gap(jax.tree.map(lambda x: x.astype(jnp.float64), grad32), grad64) < 1e-5

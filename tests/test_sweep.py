@@ -957,6 +957,29 @@ def test_progress_line_counts_and_eta():
 # -- evaluation ----------------------------------------------------------------------
 
 
+def test_a_run_with_an_adjoint_gradient_is_evaluated_under_a_splitting_scheme(tmp_path, capsys):
+    """Optimise-then-discretise is refused under a splitting scheme for training; an
+    evaluation computes no gradient, so its trained gradient gives way to the default,
+    unless the evaluation sets it (then the refusal stands)."""
+    from ocformer.config import DiscretisationConfig
+    from ocformer.evaluate import main as evaluate_main
+    from ocformer.training import train
+
+    sets = ["train.steps=1", "train.progress=false", "discretisation.stepper=heun",
+            "discretisation.gradient=optimise_then_discretise"]  # fmt: skip
+    train(resolve(f"{SMOKE_EXPERIMENT}:float64", sets), str(tmp_path / "run"))
+    out = tmp_path / "lie.json"
+    lie = ["--set", "discretisation.stepper=lie"]
+    assert evaluate_main([str(tmp_path / "run"), *lie, "--json", str(out)]) == 0
+    used = json.loads(out.read_text())["discretisation"]
+    assert used["discretisation.stepper"] == "lie"
+    assert used["discretisation.gradient"] == DiscretisationConfig().gradient
+    capsys.readouterr()
+    again = [*lie, "--set", "discretisation.gradient=optimise_then_discretise"]
+    assert evaluate_main([str(tmp_path / "run"), *again]) == 2
+    assert "discretisation.gradient" in capsys.readouterr().err
+
+
 def test_evaluate_refuses_non_discretisation_fields_and_non_runs(tmp_path, capsys):
     from ocformer.evaluate import main as evaluate_main
 

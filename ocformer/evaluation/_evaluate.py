@@ -19,7 +19,14 @@ import jax
 import jax.numpy as jnp
 
 from ..checkpointing import CheckpointManager
-from ..config import Config, ConfigError, apply_overrides, to_dict, validate
+from ..config import (
+    Config,
+    ConfigError,
+    DiscretisationConfig,
+    apply_overrides,
+    to_dict,
+    validate,
+)
 from ..models import rediscretise
 from ..splitting import inner_solver
 from ..training import (
@@ -32,6 +39,7 @@ from ..training import (
     with_precision,
 )
 
+GRADIENT_FIELD = "discretisation.gradient"
 # The config section that describes how the equation is discretised (nothing else may
 # change between training and evaluation).
 DISCRETISATION_SECTIONS: tuple[str, ...] = ("discretisation",)
@@ -50,6 +58,29 @@ def check_discretisation_field(key: str) -> None:
             f"evaluation may change only the discretisation ({allowed}); {key} changes the "
             "trained problem itself. Train a new run to change it.",
         )
+
+
+def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
+    """The validated configuration that evaluates a run of ``config`` under its
+    discretisation changed by ``overrides``. The gradient method acts on training only:
+    a trained one that the new discretisation does not take (optimise-then-discretise
+    under a splitting scheme) gives way to the default, unless ``overrides`` set it.
+
+    Raises:
+        ConfigError: an invalid override or combination.
+    """
+    changed = apply_overrides(config, list(overrides))
+    try:
+        return validate(changed)
+    except ConfigError as e:
+        if e.field != GRADIENT_FIELD or any(o.split("=")[0].strip() == e.field for o in overrides):
+            raise
+    default = DiscretisationConfig().gradient
+    return validate(
+        dataclasses.replace(
+            changed, discretisation=dataclasses.replace(changed.discretisation, gradient=default)
+        )
+    )
 
 
 def discretisation_of(config: Config) -> dict:
@@ -171,7 +202,9 @@ def evaluate(config: Config, model, task=None) -> dict:
 
 def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None = None) -> dict:
     """Evaluate the trained run in ``workdir`` under its discretisation changed by
-    ``overrides`` (``"section.field=value"``, discretisation fields only).
+    ``overrides`` (``"section.field=value"``, discretisation fields only). A trained
+    gradient method that the new discretisation does not take is replaced by the
+    default (evaluation computes no gradient), unless ``overrides`` set it.
 
     Returns:
         ``evaluate``'s metrics plus ``workdir``, ``step`` (of the checkpoint),
@@ -196,7 +229,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
         config.train, depth_bias_every=0, depth_fallback="none", depth_fallback_cosine=None,
         depth_fallback_patience=0,
     )  # fmt: skip
-    new_config = validate(apply_overrides(dataclasses.replace(config, train=idle), list(overrides)))
+    new_config = evaluation_config(dataclasses.replace(config, train=idle), overrides)
     # A replace of the discretisation value: the trained arrays are untouched, and the
     # grid-dependent parts are derived from the new value at the next solve.
     model = rediscretise(trained, build_discretisation(new_config))

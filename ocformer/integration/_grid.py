@@ -4,6 +4,7 @@ the jumps."""
 
 import diffrax
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from diffrax import RESULTS
@@ -179,16 +180,19 @@ class BackwardGrid(diffrax.AbstractStepSizeController):
     Args:
         times: the forward grid t0 < ... < t1.
         on_jump: which grid points are jumps of the control (stepped over).
+        dtype: the dtype of the solve's times (``time_dtype``), whatever JAX's default
+            float is (float64 under ``jax_enable_x64`` for a float32 model would mix).
     """
 
     times: tuple[float, ...] = eqx.field(static=True)
     on_jump: tuple[bool, ...] = eqx.field(static=True)
+    dtype: str = eqx.field(static=True, default="float32")
 
     def _controller(self):
         # Not ``GridSteps`` even without jumps: a backward solve may start at any point of
         # the grid (see ``StepOverJumps``), which ``GridSteps`` does not (it starts at the first).
         return StepOverJumps(
-            ts=jnp.asarray(self.times[::-1]), on_jump=jnp.asarray(self.on_jump[::-1])
+            ts=jnp.asarray(self.times[::-1], self.dtype), on_jump=jnp.asarray(self.on_jump[::-1])
         )
 
     def wrap(self, direction):
@@ -204,11 +208,17 @@ class BackwardGrid(diffrax.AbstractStepSizeController):
 def backward_grid_controller(
     solver: diffrax.AbstractSolver, control: AbstractControl, steps_per_layer: int
 ) -> BackwardGrid:
-    """``BackwardGrid`` for the constant-step grid of ``solver`` on ``control``."""
+    """``BackwardGrid`` for the constant-step grid of ``solver`` on ``control``, in the
+    time dtype of a state of the control's dtype (as ``time_grid``)."""
     t0, t1 = control.interval
     times = np.linspace(t0, t1, control.num_layers * steps_per_layer + 1)
     jumps = _jump_flags(solver, control, times)
-    return BackwardGrid(times=tuple(float(t) for t in times), on_jump=tuple(bool(j) for j in jumps))
+    floats = [x.dtype for x in jax.tree.leaves(control) if eqx.is_inexact_array(x)]
+    return BackwardGrid(
+        times=tuple(float(t) for t in times),
+        on_jump=tuple(bool(j) for j in jumps),
+        dtype=jnp.dtype(time_dtype(floats[0] if floats else jnp.float32)).name,
+    )
 
 
 ADAPTIVE_STEPS_PER_LAYER: int = 512

@@ -27,7 +27,7 @@ from ..config import (
     to_dict,
     validate as validate_config,
 )
-from ..evaluation import check_discretisation_field
+from ..evaluation import check_discretisation_field, evaluation_config
 from ..training import build
 from ._spec import SEED_FIELD, Axis, Sweep, SweepError, experiment_path, format_value
 
@@ -236,7 +236,7 @@ def resolve_points(
                 e_sets = tuple(f"{f}={format_value(v)}" for f, v in e_settings.items())
                 e_slug = _slug_of(e_labels)
                 try:
-                    e_config = validate_config(apply_overrides(config, list(e_sets)))
+                    e_config = evaluation_config(config, e_sets)
                 except ConfigError as e:
                     raise SweepError(
                         f"{sweep_path}: point {slug}, evaluation {e_slug}", str(e)
