@@ -15,7 +15,9 @@ SIGTERM (checkpoint written).
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import types
 
 import jax
@@ -27,9 +29,11 @@ from .distributed import DistributedError, initialize
 from .training import (
     COMPILE_CACHE_ENV,
     ExitCode,
+    Preempted,
     TrainingError,
     WorkdirError,
     enable_compile_cache,
+    exit_at_once,
     train as _train,
 )
 
@@ -104,10 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:  # ocformer.tasks.DataNotFoundError and its kin
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     except TrainingError as e:
+        if isinstance(e, Preempted):
+            _exit_at_once_on_interrupt()
         return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
     except KeyboardInterrupt:
+        _exit_at_once_on_interrupt()
         return fail(_PROGRAM, 130, "interrupted")
     return ExitCode.OK
+
+
+def _exit_at_once_on_interrupt() -> None:
+    # The run stopped; what is left is the interpreter's shutdown (orbax's threads
+    # among it), which a second Ctrl-C would interrupt with a traceback.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, exit_at_once)
 
 
 class _TrainModule(types.ModuleType):

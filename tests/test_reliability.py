@@ -313,6 +313,29 @@ def test_a_reader_that_stops_reading_does_not_stop_the_run(env, tmp_path):
     assert json.loads((workdir / "summary.json").read_text())["step"] == STEPS
 
 
+@pytest.mark.parametrize(
+    "signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM, signal.SIGINT)],
+    ids=["ctrl-c twice", "sigterm then ctrl-c"],
+)  # fmt: skip
+@pytest.mark.parametrize("gap_s", [0.02, 0.3])
+def test_a_second_signal_while_stopping_exits_in_one_line(env, tmp_path, signals, gap_s):
+    """A second signal while the run stops (checkpointing, or shutting down after) ends
+    it at once with one line, never a traceback of its clean-up; the run resumes."""
+    workdir = tmp_path / "twice"
+    proc = start(env, workdir, "train.steps=100000", "train.checkpoint_every=5")
+    wait_until(lambda: lines_written(workdir) >= 7, proc)
+    proc.send_signal(signals[0])
+    time.sleep(gap_s)
+    proc.send_signal(signals[1])
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode in (130, 143), err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    again = run(env, workdir, "train.steps=20", "train.checkpoint_every=5",
+                flags=["--allow-config-change"])  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert metrics(workdir)[-1]["step"] == 20
+
+
 def _copy_run(reference, tmp_path):
     src, _ = reference
     dst = tmp_path / "copy"

@@ -1,4 +1,5 @@
-"""SIGTERM as a request to checkpoint at the next step boundary and stop."""
+"""SIGTERM as a request to checkpoint at the next step boundary and stop; a signal
+while the run is stopping as a request to exit at once."""
 
 import os
 import signal
@@ -18,13 +19,20 @@ class PreemptionGuard:
     ``ExitCode.PREEMPTED`` anyway: an unfinished save has no commit marker and is never
     restored, so the previous checkpoint stays the resume point.
 
+    SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` as usual; once the run is stopping
+    (after SIGTERM, or after a first SIGINT), another SIGINT exits at once
+    (``exit_at_once``) instead of interrupting the checkpoint or the clean-up with a
+    traceback.
+
     Handlers can only be installed from the main thread; elsewhere the guard is inert.
     """
 
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.requested_at: float | None = None
+        self.interrupted = False
         self._previous = None
+        self._previous_interrupt = None
         self._timer: threading.Timer | None = None
 
     @property
@@ -40,6 +48,13 @@ class PreemptionGuard:
         self._timer.daemon = True
         self._timer.start()
 
+    def _interrupt(self, signum, frame):
+        del signum, frame
+        if self.requested or self.interrupted:
+            exit_at_once()
+        self.interrupted = True
+        raise KeyboardInterrupt
+
     def _expire(self):
         sys.stderr.write(
             f"\nocformer: SIGTERM grace period of {self.grace_s}s expired before a "
@@ -52,6 +67,7 @@ class PreemptionGuard:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous_interrupt = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
     def __exit__(self, *exc):
@@ -59,5 +75,19 @@ class PreemptionGuard:
             self._timer.cancel()
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+            signal.signal(signal.SIGINT, self._previous_interrupt)
+            self._previous = self._previous_interrupt = None
         return False
+
+
+def exit_at_once(signum=None, frame=None) -> None:
+    """End the process now with exit code 130, one line on stderr, no clean-up (a
+    signal handler for a run that is stopping already: the last committed checkpoint is
+    the resume point, and the next run removes an interrupted save)."""
+    del signum, frame
+    sys.stderr.write(
+        "\nocformer: interrupted again while stopping; exiting at once. The last "
+        "committed checkpoint is the resume point.\n"
+    )
+    sys.stderr.flush()
+    os._exit(130)
