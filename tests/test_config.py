@@ -178,6 +178,8 @@ BAD_CONFIGS = [
     (["discretisation.sub_solver=rk4"], "discretisation.sub_solver", "'midpoint'"),
     (["task.name=imagenet"], "task.name", "allowed: 'shakespeare_char'"),
     (["task.path=data/mine"], "task.path", "task.name=copy would ignore it"),
+    (["model.init_from="], "model.init_from", "is empty (it would name the current directory)"),
+    (["train.progress=maybe"], "train.progress", "expected a bool (true/false; also 1/0"),
     (["model.norm=middle"], "model.norm", "allowed: 'pre', 'post'"),
     (["optimiser.name=lion"], "optimiser.name", "'adamw'"),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite", "'abort', 'skip'"),

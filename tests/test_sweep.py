@@ -153,6 +153,10 @@ def test_sweep_file_that_fails_to_import(tmp_path):
     assert "failed to import: RuntimeError: broken on purpose" in msg and "bad.py:5)" in msg
     msg = _refused(tmp_path, "X = 1\n", name="nothing")
     assert "nothing.py: defines no get_sweep" in msg
+    # The sweep files of the repository refuse an argument they do not take.
+    with pytest.raises(SweepError) as e:
+        plan(f"{SMOKE_SWEEP}:foo", workdir=str(tmp_path / "out"), build=False)
+    assert "get_sweep('foo') raised ValueError: unknown argument 'foo'" in str(e.value)
 
 
 def test_axis_over_unknown_field(tmp_path):

@@ -21,7 +21,8 @@ from ocformer.sweeping import Sweep, axis
 
 
 def get_sweep(arg: str | None = None) -> Sweep:
-    del arg
+    if arg is not None:
+        raise ValueError(f"unknown argument {arg!r}; gradient_methods.py takes none")
     return Sweep(
         experiment="../smoke.py",
         overrides={

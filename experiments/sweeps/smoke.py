@@ -17,7 +17,8 @@ STEPS_PER_LAYER = "discretisation.steps_per_layer"
 
 
 def get_sweep(arg: str | None = None) -> Sweep:
-    del arg
+    if arg is not None:
+        raise ValueError(f"unknown argument {arg!r}; smoke.py takes none")
     return Sweep(
         experiment="../smoke.py",
         overrides={

@@ -24,7 +24,8 @@ from ocformer.sweeping import Sweep, axis, zipped
 
 
 def get_sweep(arg: str | None = None) -> Sweep:
-    del arg
+    if arg is not None:
+        raise ValueError(f"unknown argument {arg!r}; solvers.py takes none")
     return Sweep(
         experiment="../smoke.py",
         overrides={

@@ -27,7 +27,8 @@ from ocformer.sweeping import Sweep, axis, zipped
 
 
 def get_sweep(arg: str | None = None) -> Sweep:
-    del arg
+    if arg is not None:
+        raise ValueError(f"unknown argument {arg!r}; splitting_depth.py takes none")
     return Sweep(
         experiment="../smoke.py",
         overrides={"train.steps": 200, "train.eval_every": 50, "train.checkpoint_every": 100},

@@ -55,7 +55,9 @@ def _parse_scalar(path: str, text: str, tp) -> Any:
             return True
         if low in _FALSE:
             return False
-        raise ConfigError(path, f"expected a bool (true/false), got {text!r}")
+        raise ConfigError(
+            path, f"expected a bool (true/false; also 1/0, yes/no, on/off), got {text!r}"
+        )
     if tp is int:
         try:
             return int(text.strip())

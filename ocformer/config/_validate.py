@@ -211,6 +211,12 @@ def _check_combinations(c: Config) -> None:
             "written by `python -m ocformer.tasks.prepare text --input FILE --tokenizer "
             "char --out DIR`",
         )
+    if m.init_from is not None and not m.init_from.strip():
+        raise ConfigError(
+            "model.init_from",
+            "is empty (it would name the current directory); give the path of a Hugging "
+            "Face checkpoint directory or an ocformer work directory, or none",
+        )
     if c.task.path and c.task.name != "tokens":
         raise ConfigError(
             "task.path",

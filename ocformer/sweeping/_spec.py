@@ -204,11 +204,13 @@ def load_sweep(spec: str) -> tuple[Sweep, str, str | None]:
     if module_spec is None or module_spec.loader is None:
         raise SweepError(path, "cannot be imported as a Python module")
     module = importlib.util.module_from_spec(module_spec)
+    what = "failed to import:"
     try:
         module_spec.loader.exec_module(module)
         get_sweep = getattr(module, "get_sweep", None)
         if not callable(get_sweep):
             raise SweepError(path, "defines no get_sweep(arg: str | None = None) -> Sweep")
+        what = f"get_sweep({arg!r}) raised"
         sweep = get_sweep(arg)
     except SweepError as e:
         if e.where == path:
@@ -217,8 +219,7 @@ def load_sweep(spec: str) -> tuple[Sweep, str, str | None]:
     except Exception as e:
         last = traceback.extract_tb(e.__traceback__)[-1]
         raise SweepError(
-            path,
-            f"failed to import: {type(e).__name__}: {e} (at {last.filename}:{last.lineno})",
+            path, f"{what} {type(e).__name__}: {e} (at {last.filename}:{last.lineno})"
         ) from None
     if not isinstance(sweep, Sweep):
         raise SweepError(

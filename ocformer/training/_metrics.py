@@ -78,9 +78,10 @@ class MetricsLog:
         if torn:
             warnings.append(f"{self.path}: dropped {torn} line(s) that are not metric records")
         if later:
+            since = f"step {step}, the restored checkpoint" if step else "the start (no checkpoint)"
             warnings.append(
-                f"{self.path}: rewound to step {step}, the restored checkpoint: dropped "
-                f"{later} record(s) of later steps, which this run logs again"
+                f"{self.path}: rewound to {since}: dropped {later} record(s) of later "
+                "steps, which this run computes again"
             )
         if warnings:
             text = b"".join(line + b"\n" for line in kept).decode("utf-8")
