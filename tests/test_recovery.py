@@ -17,6 +17,7 @@ layer, with and without a batch axis.
 
 import re
 
+import diffrax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from _layers import random_input, random_stack
 
 from ocformer import Discretisation, Lie, Strang, rediscretise
 from ocformer.convert import LAYER_KEYS, from_layers, to_layers
+from ocformer.integration import Parareal
 
 F64_TOL = 1e-12
 F32_TOL = 1e-5
@@ -418,8 +420,13 @@ def test_to_layers_inverts_from_layers(kwargs):
             {"stepper": Strang(), "steps_per_layer": 2},
             {"stepper='strang' (standard: 'lie')", "steps_per_layer=2 (standard: 1)"},
         ),
+        # Parareal with fewer iterations than chunks: an approximation of the stack.
+        (
+            {"depth_parallel": Parareal(diffrax.Euler(), iterations=1, chunks=3)},
+            {"depth_parallel='parareal' (standard: None)"},
+        ),
     ],
-    ids=["strang", "two-steps", "heun-sub-solver", "strang-two-steps"],
+    ids=["strang", "two-steps", "heun-sub-solver", "strang-two-steps", "parareal"],
 )
 def test_to_layers_refuses_a_rediscretised_model(changes, differ):
     """Re-discretised, the model is another function of its input, which its layers, read

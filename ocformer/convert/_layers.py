@@ -14,13 +14,15 @@ from ..operators import Activation
 
 # What makes a model the standard layer stack, in the plain values of its ``choices()``:
 # the stepper and grid of ``Discretisation()`` (the Lie scheme, one explicit-Euler step
-# per layer, constant steps), the split formulation, one parameter set per layer. Only
-# this discretisation *is* the stack that from_layers read and to_layers writes.
+# per layer, constant steps, solved serially in depth), the split formulation, one
+# parameter set per layer. Only this discretisation *is* the stack that from_layers read
+# and to_layers writes.
 STANDARD_LAYER_STACK: dict[str, object] = {
     "stepper": "lie",
     "sub_solver": "euler",
     "steps_per_layer": 1,
     "stepsize": "constant",
+    "depth_parallel": None,
     "formulation": "split",
     "controls": "piecewise_constant",
 }
