@@ -213,6 +213,27 @@ def test_key_mask_of_wrong_shape(model, u_shape, mask_shape):
         model(jnp.ones(u_shape), jnp.ones(mask_shape, bool))
 
 
+@pytest.mark.parametrize(
+    "mask, what", [(jnp.ones(4, jnp.int32), "int32"), (jnp.ones(4), "float"), ([True] * 4, "list")]
+)
+def test_key_mask_must_be_boolean(model, mask, what):
+    """A 0/1 attention mask (as Hugging Face's) or a list is named, with the fix."""
+    with pytest.raises(ValueError, match=rf"key_mask must be a boolean array .*got {what}"):
+        model(jnp.ones((4, 6)), mask)
+    assert model(jnp.ones((4, 6)), jnp.asarray(np.ones(4), bool)).shape == (4, 6)
+
+
+def test_state_of_no_tokens_and_a_control_that_is_not_one(model):
+    with pytest.raises(ValueError, match=re.escape("u0 holds no tokens (shape (0, 6))")):
+        model(jnp.ones((0, 6)))
+    from ocformer.controls import init_stacked_params
+    from ocformer.models import ContinuousTransformer
+
+    params = init_stacked_params(jax.random.key(0), 2, 6, 8)
+    with pytest.raises(ValueError, match=r"e\.g\. PiecewiseConstant\(params\)\), got LayerParams"):
+        ContinuousTransformer(params, num_heads=2)
+
+
 def test_attention_operator_checks_the_key_mask():
     p = from_layers(_layers(), num_heads=2).layer(0).attention
     with pytest.raises(ValueError, match=re.escape("key_mask has shape (3,), expected (2, 4)")):

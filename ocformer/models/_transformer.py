@@ -144,6 +144,11 @@ class ContinuousTransformer(eqx.Module):
             raise ValueError(f"norm must be one of {NORM_POSITIONS}, got {norm!r}.")
         if formulation not in FORMULATIONS:
             raise ValueError(f"formulation must be one of {FORMULATIONS}, got {formulation!r}.")
+        if not isinstance(control, AbstractControl):
+            raise ValueError(
+                "control must be an ocformer.controls.AbstractControl, the parameters as a "
+                f"function of time (e.g. PiecewiseConstant(params)), got {type(control).__name__}."
+            )
         d = _feature_width(control)
         if not (isinstance(num_heads, int) and num_heads >= 1) or d % num_heads:
             raise ValueError(
@@ -314,6 +319,14 @@ class ContinuousTransformer(eqx.Module):
             )
         if not jnp.issubdtype(u0.dtype, jnp.floating):
             raise ValueError(f"u0 must be a floating-point array, got dtype {u0.dtype}.")
+        if u0.shape[-2] == 0:
+            raise ValueError(f"u0 holds no tokens (shape {u0.shape}); give at least one.")
+        if key_mask is not None and getattr(key_mask, "dtype", None) != jnp.bool_:
+            what = getattr(key_mask, "dtype", type(key_mask).__name__)
+            raise ValueError(
+                f"key_mask must be a boolean array (True keeps a token), got {what}; a 0/1 "
+                "attention mask is key_mask=jnp.asarray(mask, bool)."
+            )
         if key_mask is not None and key_mask.shape != u0.shape[:-1]:
             raise ValueError(
                 f"key_mask must have shape {u0.shape[:-1]} (the state without its "
