@@ -243,6 +243,11 @@ BAD_CONFIGS = [
     ),
     (["train.method=msa", "controls.kind=piecewise_linear"], "controls.kind", "not independent"),
     (["train.method=msa", "train.msa_inner_steps=0"], "train.msa_inner_steps", ">= 1"),
+    (
+        ["train.method=msa", "discretisation.depth_parallel=parareal"],
+        "discretisation.depth_parallel",
+        "sweeps the layer maps serially",
+    ),
     (["train.method=msa", "train.msa_rho=0"], "train.msa_rho", "> 0"),
     (
         ["train.method=msa", "objective.control_smoothness=0.1"],

@@ -247,3 +247,18 @@ def test_a_run_trains_by_msa_and_resumes_from_its_checkpoint(tmp_path):
     # rho = 1, then shrunk back to its floor after each decrease.
     assert [r["rho"] for r in records] == [1.0, 1.0, 1.0]
     assert records[0]["hamiltonian_after"] > records[0]["hamiltonian"]
+
+
+def test_a_depth_parallel_model_is_refused():
+    """The sweep runs the layer maps serially; a depth-parallel model's objective is the
+    approximation's, so the two would disagree (rho was adapted on a spurious change of
+    J): msa_iteration refuses it, naming the field."""
+    import diffrax
+
+    from ocformer.integration import Parareal
+    from ocformer.models import IncompatibleError, rediscretise
+
+    model = rediscretise(small_model(), depth_parallel=Parareal(diffrax.Euler(), chunks=3))
+    method = MSA(optax.sgd(0.1), inner_steps=1, rho=1.0)
+    with pytest.raises(IncompatibleError, match="depth_parallel='parareal'"):
+        msa_iteration(method, Objective(), Constraints(), model, method.init(), small_batch())

@@ -359,6 +359,17 @@ def msa_refusals(
                 "constant, or train.method=gradient",
             )
         )
+    if choices.depth_parallel is not None:
+        found.append(
+            Refusal(
+                "discretisation.depth_parallel",
+                f"train.method=msa sweeps the layer maps serially, forward and back, while "
+                f"depth_parallel={choices.depth_parallel!r} solves for another function of "
+                "the input (the depth-parallel approximation): the sweep and the objective "
+                "it is judged by would differ. Drop discretisation.depth_parallel, or use "
+                "train.method=gradient",
+            )
+        )
     if choices.gradient == "optimise_then_discretise":
         found.append(
             Refusal(
