@@ -223,6 +223,19 @@ def test_token_similarity_against_numpy():
     np.testing.assert_allclose(float(result.min[-1]), off.min(), atol=1e-13)
 
 
+def test_token_analyses_refuse_inputs_outside_their_contract():
+    """An adaptive solve (a trajectory padded to its step budget) and a batch given as
+    one input to the exponents are named, not analysed into padding or one member."""
+    from ocformer.models import rediscretise
+
+    model = _transformer(diffrax.Heun(), 1)
+    adaptive = rediscretise(model, stepper=diffrax.Tsit5(), stepsize="pid")
+    with pytest.raises(ValueError, match="token_similarity follows the states of the grid"):
+        token_similarity(adaptive, _u0())
+    with pytest.raises(ValueError, match=r"model_lyapunov takes one input u0 of shape \(N, d\)"):
+        model_lyapunov(model, jnp.stack([_u0(), _u0()]), 2)
+
+
 def test_benettin_exponents_of_a_linear_flow():
     """u' = A u with A block upper-triangular: eigenvalues 0.3, -0.2 +- 1.5i and -1.0.
     Benettin's estimates over T = 100 (Tsit5, dt = 0.1) match the real parts

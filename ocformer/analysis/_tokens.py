@@ -44,7 +44,13 @@ class TokenSimilarity(NamedTuple):
 
 def token_similarity(transformer: ContinuousTransformer, u0, *, key_mask=None) -> TokenSimilarity:
     """Cosine similarities of every pair of tokens at every step of the solve
-    (``key_mask``: only kept tokens are paired)."""
+    (``key_mask``: only kept tokens are paired); constant steps only (an adaptive
+    solve's trajectory is padded to its step budget)."""
+    if transformer.discretisation.is_adaptive:
+        raise ValueError(
+            "token_similarity follows the states of the grid's steps; the model has "
+            "stepsize='pid'. Use ocformer.models.rediscretise(model, stepsize='constant')."
+        )
     ts, ys = trajectory(transformer, u0, key_mask)
     unit = ys / jnp.linalg.norm(ys, axis=-1, keepdims=True)
     cosine = jnp.einsum("...id,...jd->...ij", unit, unit)
@@ -284,6 +290,13 @@ def model_lyapunov(
     ``randomised_lyapunov_exponents`` (``functools.partial`` sets its options) for
     large states, or ``benettin_exponents`` (see ``model_benettin``).
     """
+    if getattr(u0, "ndim", None) != 2:
+        raise ValueError(
+            f"model_lyapunov takes one input u0 of shape (N, d), got shape "
+            f"{getattr(u0, 'shape', type(u0).__name__)}; for a batch, call it per input "
+            "(the exponents of a batch as one state would be those of its most unstable "
+            "member only)."
+        )
     steps = StepMap(transformer, key_mask, u0.dtype)
     y0 = steps.transformer.initial_state(u0)
     return estimator(steps, steps.times, y0, num)
