@@ -56,3 +56,19 @@ def test_the_json_is_strict_with_a_non_finite_number_as_null():
     assert json.loads(json.dumps(cli._finite(result), allow_nan=False)) == {
         "slope": 1.0, "local_slopes": [None, 2.0], "x": [None, "a"],
     }  # fmt: skip
+
+
+def test_the_library_studies_refuse_what_the_command_line_refuses():
+    """No scheme, a step count of 0 or one given twice: refused before any solve, in
+    the library as on the command line."""
+    from ocformer.analysis import convergence_study, gradient_comparison
+
+    for schemes, steps, words in [
+        ([], [4, 8], "No scheme given"),
+        (["lie"], [0, 4], "Step counts must be >= 1"),
+        (["lie"], [4, 4], "at least two distinct step counts"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            convergence_study(schemes, steps)
+    with pytest.raises(ValueError, match="at least two distinct positive step counts"):
+        gradient_comparison(steps_per_layer=(2, 2), solver="euler")

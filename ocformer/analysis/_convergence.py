@@ -193,6 +193,8 @@ def convergence_study(
         is recorded as ``{"status": "refused" | "failed", "reason": ...}`` and the
         other schemes are still computed.
     """
+    if not schemes:
+        raise ValueError("No scheme given; give e.g. ['lie', 'strang'].")
     steppers = {name: study_stepper(name) for name in schemes}  # unknown names first
     if relaxation_eps is not None:
         if formulation != "relaxed":
@@ -207,6 +209,8 @@ def convergence_study(
     eps_study = formulation == "relaxed" and relaxation_eps is None
     u0 = study_input(model, seed)
     steps = sorted(int(m) for m in steps)
+    if steps and steps[0] < 1:
+        raise ValueError(f"Step counts must be >= 1, got {steps}.")
     if not eps_study and len(set(steps)) < 2:
         raise ValueError(f"A slope needs at least two distinct step counts, got {steps}.")
     if len(set(steps)) < len(steps) or len(set(epsilons)) < len(epsilons):

@@ -112,8 +112,8 @@ def gradient_comparison(
     if solver not in SOLVERS:
         raise ValueError(f"Unknown diffrax solver {solver!r}; known: {', '.join(SOLVERS)}.")
     steps = sorted(int(m) for m in steps_per_layer)
-    if len(steps) < 2 or steps[0] < 1:
-        raise ValueError(f"A slope needs at least two positive step counts, got {steps}.")
+    if len(set(steps)) < len(steps) or len(steps) < 2 or steps[0] < 1:
+        raise ValueError(f"A slope needs at least two distinct positive step counts, got {steps}.")
 
     k_control, k_embed, k_readout = jr.split(jr.key(seed), 3)
     control = PiecewiseConstant(
