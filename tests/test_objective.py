@@ -216,3 +216,24 @@ def test_objective_under_non_splitting_solver():
     batch = {"inputs": jnp.asarray([[1, 2, 3, 4]]), "targets": jnp.asarray([[2, 3, 4, 0]])}
     loss, metrics = Objective(kinetic_energy=1.0)(m, batch)
     assert np.isfinite(float(loss)) and float(metrics["kinetic_energy"]) > 0
+
+
+def test_bad_arguments_of_the_model_api_are_named():
+    """The objective on a bare transformer or a batch without targets, a layer index
+    outside the depth, a batch of prompts or an id outside the vocabulary to generate:
+    each named, not a KeyError, a wrapped index or a silently joined prompt."""
+    import jax.random as jr_
+
+    m = model()
+    batch = {"inputs": jnp.zeros((2, N), jnp.int32), "targets": jnp.zeros((2, N), jnp.int32)}
+    with pytest.raises(ValueError, match="Objective takes a SequenceModel"):
+        Objective()(m.transformer, batch)
+    with pytest.raises(ValueError, match="the batch has no 'targets'"):
+        Objective()(m, {"inputs": batch["inputs"]})
+    for n in (L, -1):
+        with pytest.raises(IndexError, match=f"layer {n} of a model of {L} layers"):
+            m.transformer.layer(n)
+    with pytest.raises(ValueError, match=r"generate continues one prompt, .* got shape \(2, 2\)"):
+        m.generate(jr_.key(0), [[1, 2], [3, 4]], 3)
+    with pytest.raises(ValueError, match=rf"ids outside the vocabulary 0..{V - 1}: \[{V}\]"):
+        m.generate(jr_.key(0), [1, V], 3)

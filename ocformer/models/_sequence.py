@@ -158,9 +158,21 @@ class SequenceModel(eqx.Module):
                 "generate needs causal attention (the transformer built with causal=True); "
                 "otherwise later tokens change the logits of earlier ones."
             )
-        prompt = np.asarray(prompt_tokens, dtype=np.int32).reshape(-1)
+        prompt = np.asarray(prompt_tokens, dtype=np.int32)
+        if prompt.ndim > 1:
+            raise ValueError(
+                f"generate continues one prompt, 1-D symbol ids, got shape {prompt.shape}; "
+                "call it per prompt."
+            )
+        prompt = prompt.reshape(-1)
         if prompt.size == 0:
             raise ValueError("generate needs a prompt of at least one token.")
+        vocab = self.embedding.tokens.shape[0]
+        if prompt.min() < 0 or prompt.max() >= vocab:
+            raise ValueError(
+                f"the prompt holds ids outside the vocabulary 0..{vocab - 1}: "
+                f"{sorted({int(i) for i in prompt if not 0 <= i < vocab})[:5]}."
+            )
         if not (isinstance(num_new, int) and num_new >= 0):
             raise ValueError(f"num_new must be an integer >= 0, got {num_new!r}.")
         if not temperature >= 0:

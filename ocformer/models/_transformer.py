@@ -490,7 +490,10 @@ class ContinuousTransformer(eqx.Module):
         return self.layer_norm(final, u_t)
 
     def layer(self, n: int) -> LayerParams:
-        """The controls of layer n (their value on the n-th piece of the grid)."""
+        """The controls of layer n (their value on the n-th piece of the grid),
+        0 <= n < num_layers."""
+        if isinstance(n, int) and not 0 <= n < self.num_layers:
+            raise IndexError(f"layer {n} of a model of {self.num_layers} layers (0..L-1).")
         t0, t1 = self.control.interval
         dt = (t1 - t0) / self.num_layers
         return self.control(t0 + (n + 0.5) * dt)

@@ -151,6 +151,17 @@ class Objective(eqx.Module):
             )
 
     def __call__(self, model: SequenceModel, batch: dict) -> tuple[Float[Array, ""], dict]:
+        if not isinstance(model, SequenceModel):
+            raise ValueError(
+                "Objective takes a SequenceModel (embedding, transformer, readout: the "
+                f"loss needs the logits), got {type(model).__name__}."
+            )
+        missing = [k for k in ("inputs", "targets") if k not in batch]
+        if missing:
+            raise ValueError(
+                f"the batch has no {' or '.join(map(repr, missing))}; a task's batch is a "
+                "dict with 'inputs' and 'targets' (and optionally 'key_mask')."
+            )
         inputs, targets = batch["inputs"], jnp.asarray(batch["targets"])
         key_mask = batch.get("key_mask")
         if self.ternary is not None:
