@@ -328,7 +328,9 @@ def test_a_second_signal_while_stopping_exits_in_one_line(env, tmp_path, signals
     time.sleep(gap_s)
     proc.send_signal(signals[1])
     _, err = proc.communicate(timeout=600)
-    assert proc.returncode in (130, 143), err
+    # -SIGINT: the second signal came after Python restored the default handlers at
+    # its very end, and ended the process there (a shell reports 130 for it too).
+    assert proc.returncode in (130, 143, -signal.SIGINT), err
     assert "Traceback" not in err and "Exception ignored" not in err, err
     again = run(env, workdir, "train.steps=20", "train.checkpoint_every=5",
                 flags=["--allow-config-change"])  # fmt: skip
