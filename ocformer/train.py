@@ -34,6 +34,7 @@ from .training import (
     WorkdirError,
     enable_compile_cache,
     exit_at_once,
+    exit_on_second_interrupt,
     train as _train,
 )
 
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except DistributedError as e:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     command = [sys.executable, "-m", "ocformer.train", *(sys.argv[1:] if argv is None else argv)]
+    exit_on_second_interrupt()
     try:
         _train(config, args.workdir, argv=command, allow_config_change=args.allow_config_change)
     except (ConfigError, WorkdirError, CheckpointError) as e:

@@ -475,3 +475,19 @@ def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
     assert done.stdout.strip() == "False"
     (events,) = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events.stat().st_size > 0
+
+
+def test_a_library_caller_survives_a_second_interrupt(monkeypatch):
+    """In a notebook a second interrupt while the run stops raises KeyboardInterrupt
+    again (the kernel lives on); only the command line makes it end the process."""
+    import signal
+
+    from ocformer.training import _preempt
+
+    monkeypatch.setattr(_preempt, "_exit_on_second_interrupt", False)
+    with _preempt.PreemptionGuard(60.0) as guard:
+        assert signal.getsignal(signal.SIGINT) == guard._interrupt
+        for _ in range(2):
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

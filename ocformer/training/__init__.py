@@ -27,7 +27,10 @@ from ._optimiser import (
     make_schedule as make_schedule,
     under_standard_promotion as under_standard_promotion,
 )
-from ._preempt import exit_at_once as exit_at_once
+from ._preempt import (
+    exit_at_once as exit_at_once,
+    exit_on_second_interrupt as exit_on_second_interrupt,
+)
 from ._run_info import git_revision as git_revision, package_versions as package_versions
 from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
 from ._step import (

@@ -9,6 +9,17 @@ import time
 
 from ._errors import ExitCode
 
+# Whether a second SIGINT while a run stops ends the process at once (the command line)
+# or raises KeyboardInterrupt again (a library call: a notebook's kernel must survive).
+_exit_on_second_interrupt = False
+
+
+def exit_on_second_interrupt() -> None:
+    """Make a second SIGINT while a run stops end the process at once (``exit_at_once``),
+    as the command line wants; a library caller keeps Python's KeyboardInterrupt."""
+    global _exit_on_second_interrupt
+    _exit_on_second_interrupt = True
+
 
 class PreemptionGuard:
     """Turns SIGTERM into a flag the loop polls between steps.
@@ -20,9 +31,9 @@ class PreemptionGuard:
     restored, so the previous checkpoint stays the resume point.
 
     SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` as usual; once the run is stopping
-    (after SIGTERM, or after a first SIGINT), another SIGINT exits at once
-    (``exit_at_once``) instead of interrupting the checkpoint or the clean-up with a
-    traceback.
+    after SIGTERM, a SIGINT exits at once (``exit_at_once``) instead of interrupting the
+    checkpoint with a traceback, and so does a second SIGINT after a first one when
+    ``exit_on_second_interrupt`` was called (the command line does).
 
     Handlers can only be installed from the main thread; elsewhere the guard is inert.
     """
@@ -50,7 +61,7 @@ class PreemptionGuard:
 
     def _interrupt(self, signum, frame):
         del signum, frame
-        if self.requested or self.interrupted:
+        if self.requested or (self.interrupted and _exit_on_second_interrupt):
             exit_at_once()
         self.interrupted = True
         raise KeyboardInterrupt
