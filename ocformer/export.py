@@ -25,7 +25,7 @@ from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import to_pretrained
-from .training import ExitCode, WorkdirError, load_run
+from .training import ExitCode, WorkdirError, load_run, run_record
 
 _PROGRAM = "ocformer.export"
 TOKENIZER_FILE = "tokenizer.json"
@@ -114,11 +114,8 @@ def export(
 def _started_from(workdir: str) -> str | None:
     """The absolute path of the checkpoint directory the run first started from, as its
     ``run.json`` records it; None if it records none."""
-    try:
-        with open(os.path.join(workdir, "run.json"), encoding="utf-8") as f:
-            return (json.load(f).get("init_from") or {}).get("path")
-    except (OSError, ValueError, AttributeError):
-        return None
+    started = run_record(workdir, "init_from")
+    return started.get("path") if isinstance(started, dict) else None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -32,7 +32,11 @@ from ._preempt import (
     exit_on_second_interrupt as exit_on_second_interrupt,
 )
 from ._run_info import git_revision as git_revision, package_versions as package_versions
-from ._rundir import RUN_MARKER as RUN_MARKER, RunDirectory as RunDirectory
+from ._rundir import (
+    RUN_MARKER as RUN_MARKER,
+    RunDirectory as RunDirectory,
+    run_record as run_record,
+)
 from ._step import (
     COMPILE_CACHE_ENV as COMPILE_CACHE_ENV,
     enable_compile_cache as enable_compile_cache,

@@ -54,16 +54,22 @@ def _describe_dataset(identity: dict) -> str:
     return ", ".join(f"{name} {identity[f'{key}_sha256'][:12]}" for key, name in files.items())
 
 
+def run_record(workdir: str | os.PathLike, key: str):
+    """Entry ``key`` of the ``run.json`` of ``workdir`` (what its newest start recorded);
+    None if the file or the entry is missing or unreadable."""
+    try:
+        with open(os.path.join(workdir, "run.json"), encoding="utf-8") as f:
+            return json.load(f).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def dataset_change(workdir: str, config: Config) -> tuple[str, str] | None:
     """``(then, now)`` (the SHA-256 prefixes of its files) when the dataset directory a
     run of ``config`` reads holds other data than the run in ``workdir`` recorded in its
     ``run.json``; None when they agree, or either is unknown."""
     current = run_dataset(config)
-    try:
-        with open(os.path.join(workdir, "run.json"), encoding="utf-8") as f:
-            recorded = json.load(f).get("dataset")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
+    recorded = run_record(workdir, "dataset")
     if current is None or not isinstance(recorded, dict):
         return None
     keys = [k for k in current if k.endswith("_sha256")]
