@@ -54,6 +54,7 @@ from ocformer.integration import Parareal  # noqa: E402
 from ocformer.models import ContinuousTransformer, rediscretise  # noqa: E402
 from ocformer.splitting import Lie  # noqa: E402
 
+from ._args import output_file, positive_float, positive_int  # noqa: E402
 from ._common import write_json  # noqa: E402
 
 WIDTH, HEADS, HIDDEN, CONTEXT = 128, 4, 512, 64
@@ -149,13 +150,13 @@ def _devices_for(layers: int) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.depth_parallel", description=__doc__)
     p.add_argument("--quick", action="store_true", help="L = 12 and 24 only")
-    p.add_argument("--batch", type=int, default=1, help="sequences per solve")
-    p.add_argument("--tol", type=float, default=1e-3, help="relative error of u(T)")
-    p.add_argument("--max-iterations", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--latency", type=float, default=5e-6, help="seconds per message hop")
-    p.add_argument("--bandwidth", type=float, default=100e9, help="bytes per second")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences per solve")
+    p.add_argument("--tol", type=positive_float, default=1e-3, help="relative error of u(T)")
+    p.add_argument("--max-iterations", type=positive_int, default=16)
+    p.add_argument("--repeats", type=positive_int, default=7)
+    p.add_argument("--latency", type=positive_float, default=5e-6, help="seconds per message hop")
+    p.add_argument("--bandwidth", type=positive_float, default=100e9, help="bytes per second")
+    p.add_argument("--json", default=None, type=output_file, help="write the results here")
     args = p.parse_args(argv)
     layers_list = LAYERS[:2] if args.quick else LAYERS
     spans = sorted({1, *layers_list, *(L // d for L in layers_list for d in _devices_for(L))})

@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from ._args import output_file
 from ._common import DEFAULT_EXPERIMENT, provenance, write_json
 
 
@@ -155,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="a config override of both runs (repeatable)",
     )  # fmt: skip
-    parser.add_argument("--json", metavar="FILE", help="write the result as JSON to FILE")
+    parser.add_argument(
+        "--json", metavar="FILE", type=output_file, help="write the result as JSON to FILE"
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     result = end_to_end(args.config, args.set)

@@ -34,6 +34,7 @@ from ocformer.objective import MixedPrecision
 from ocformer.training import build
 
 from . import _flax_gpt
+from ._args import output_file, positive_float, positive_int
 from ._common import (
     Candidate,
     RandomTokens,
@@ -230,14 +231,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu", description=(__doc__ or "").split("\n")[0]
     )
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument(
+        "--json", metavar="FILE", type=output_file, help="write the results as JSON to FILE"
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
         help="a tiny model on whatever backend is present: checks the code path",
     )
-    parser.add_argument("--batch", type=int, default=GPT2_SMALL["batch"], help="sequences per step")
-    parser.add_argument("--budget", type=float, default=60.0, help="seconds of timing")
+    parser.add_argument(
+        "--batch", type=positive_int, default=GPT2_SMALL["batch"], help="sequences per step"
+    )
+    parser.add_argument("--budget", type=positive_float, default=60.0, help="seconds of timing")
     parser.add_argument(
         "--attention",
         choices=("xla", "cudnn"),

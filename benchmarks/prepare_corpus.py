@@ -2,8 +2,10 @@
 
     python -m benchmarks.prepare_corpus --size 1G --tokenizer char bpe:4096 --json prep.json
 
-writes a deterministic corpus of ``--size`` bytes (words of a seeded vocabulary, drawn
-with Zipf-like frequencies, lines of about twelve words), then prepares it once per
+writes a deterministic corpus of at least ``--size`` bytes (words of a seeded
+vocabulary, drawn with Zipf-like frequencies, lines of about twelve words, in whole
+blocks of 2^20 words, about 7 MB: ``--size 1G`` gives 1.08 GB, and every size below
+7 MB gives one block; ``corpus_bytes`` in the result is the size), then prepares it once per
 tokenizer in a fresh subprocess and reports its wall time, MB/s (corpus bytes / wall
 time), the CPU seconds it used (user + system: on a machine shared with other work,
 this rather than the wall time is the cost) and its peak resident memory (``ru_maxrss``
@@ -24,16 +26,37 @@ import time
 
 import numpy as np
 
+from ._args import output_file, positive_int
+from ._common import write_json
+
 WORDS = 20_000
 WORDS_PER_BLOCK = 1 << 20
 
 
 def parse_size(text: str) -> int:
+    """``--size``: bytes, or a number with K, M or G (binary units); at least 1."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    spec = text.strip().upper()
+    try:
+        if spec and spec[-1] in units:
+            size = int(float(spec[:-1]) * units[spec[-1]])
+        else:
+            size = int(spec)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; give bytes or a number with K, M or G (1G, 300M)"
+        ) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return size
+
+
+class _PrepareFailed(Exception):
+    """The preparing subprocess exited with an error (its message is on stderr)."""
+
+    def __init__(self, command: list[str], code: int):
+        super().__init__(f"{' '.join(command)} exited with {code}")
+        self.code = code
 
 
 def write_corpus(path: pathlib.Path, size: int, seed: int = 0) -> int:
@@ -66,7 +89,7 @@ def run(cmd: list[str]) -> tuple[float, float, float]:
     wall = time.perf_counter() - start
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+        raise _PrepareFailed(cmd, proc.returncode)
     cpu = usage.ru_utime + usage.ru_stime
     return wall, cpu, usage.ru_maxrss / 1024  # ru_maxrss is in KiB on Linux
 
@@ -75,17 +98,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.prepare_corpus", description=__doc__
     )
-    parser.add_argument("--size", default="100M", help="corpus bytes: 1G, 300M, 1000000")
+    parser.add_argument(
+        "--size", type=parse_size, default="100M",
+        help="corpus bytes (at least; whole blocks of about 7 MB): 1G, 300M, 1000000",
+    )  # fmt: skip
     parser.add_argument("--tokenizer", nargs="+", default=["char", "bpe:4096"])
-    parser.add_argument("--chunk-bytes", type=int, default=None)
+    parser.add_argument("--chunk-bytes", type=positive_int, default=None)
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="scratch (default: temp)")
-    parser.add_argument("--json", type=pathlib.Path, default=None, help="write the results here")
+    parser.add_argument("--json", type=output_file, default=None, help="write the results here")
     args = parser.parse_args(argv)
+    try:
+        return _measure(args)
+    except _PrepareFailed as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return e.code
+
+
+def _measure(args: argparse.Namespace) -> int:
     scratch = pathlib.Path(tempfile.mkdtemp(dir=args.dir, prefix="prepare-bench-"))
     try:
         corpus = scratch / "corpus.txt"
         started = time.perf_counter()
-        size = write_corpus(corpus, parse_size(args.size))
+        size = write_corpus(corpus, args.size)
         print(f"corpus: {size} bytes in {time.perf_counter() - started:.1f} s", flush=True)
         startup_s, startup_cpu, startup_rss = run(
             [sys.executable, "-c", "import ocformer.tasks.prepare"]
@@ -101,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             out = scratch / tokenizer.replace(":", "_")
             cmd = [sys.executable, "-m", "ocformer.tasks.prepare", "text", "--input", str(corpus),
                    "--tokenizer", tokenizer, "--out", str(out), "--no-progress"]  # fmt: skip
-            if args.chunk_bytes:
+            if args.chunk_bytes is not None:
                 cmd += ["--chunk-bytes", str(args.chunk_bytes)]
             wall, cpu, rss = run(cmd)
             manifest = json.loads((out / "manifest.json").read_text())
@@ -121,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             shutil.rmtree(out)
         if args.json:
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            write_json(args.json, results)
         print(json.dumps(results, indent=2))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -30,9 +30,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ocformer.config import ConfigError
 from ocformer.training import build, make_train_step
 
 from . import _flax_gpt
+from ._args import output_file, positive_int
 from ._common import donated, experiment_config, experiment_task, jax_compiled, write_json
 from ._gpt import gpt_shape
 
@@ -140,14 +142,17 @@ def summarise(times: dict[str, float], sources: dict[str, str], steps: int, top:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--steps", type=positive_int, default=20)
+    parser.add_argument("--top", type=positive_int, default=15)
     parser.add_argument("--trace-dir", default=None)
-    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--json", metavar="FILE", type=output_file)
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     args = parser.parse_args(argv)
 
-    config = experiment_config(args.set)
+    try:
+        config = experiment_config(args.set)
+    except ConfigError as e:
+        parser.error(str(e))
     task, task_name = experiment_task(config)
     exp = build(config, task=task)
     batch = {

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 from . import _memory, _scan, _train_step
+from ._args import output_file
 from ._common import matmul_peak, provenance, write_json
 from .end_to_end import end_to_end, format_summary as format_end_to_end, ratio
 
@@ -95,7 +96,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--quick", action="store_true", help="every key, sized for < 2 minutes on 2 idle cores"
     )
     mode.add_argument("--tiny", action="store_true", help="tiny sizes: checks the code paths")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument(
+        "--json", metavar="FILE", type=output_file, help="write the results as JSON to FILE"
+    )
     parser.add_argument(
         "--end-to-end",
         action="store_true",

@@ -27,10 +27,11 @@ import time  # noqa: E402
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
 
-from ocformer.config import resolve  # noqa: E402
+from ocformer.config import ConfigError, resolve  # noqa: E402
 from ocformer.distributed import Layout  # noqa: E402
 from ocformer.training import build, make_train_step  # noqa: E402
 
+from ._args import output_file, positive_int  # noqa: E402
 from ._common import write_json  # noqa: E402
 
 MESHES = ((1, 1), (2, 1), (4, 1), (2, 2))
@@ -81,12 +82,17 @@ def measure(experiment: str, data: int, model: int, steps: int, overrides: list[
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__)
     p.add_argument("--experiment", default="experiments/smoke.py")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per mesh")
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps per mesh")
     p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--json", default=None, type=output_file, help="write the results here")
     args = p.parse_args(argv)
+    try:
+        for d, m in MESHES:  # every mesh's configuration, before any is measured
+            resolve(args.experiment, [*args.overrides, f"mesh.data={d}", f"mesh.model={m}"])
+    except ConfigError as e:
+        p.error(str(e))
     if jax.device_count() < 4:
-        raise SystemExit(f"needs 4 devices, found {jax.device_count()}; unset XLA_FLAGS")
+        p.error(f"needs 4 devices, found {jax.device_count()}; unset XLA_FLAGS")
     rows = [measure(args.experiment, d, m, args.steps, args.overrides) for d, m in MESHES]
     one = rows[0]["loss"]
     print(f"{jax.device_count()} x {jax.devices()[0].platform}; {args.experiment}; "

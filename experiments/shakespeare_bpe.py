@@ -5,6 +5,8 @@ Commands (the corpus is prepared once from the file ``make data`` writes):
         --tokenizer bpe:1024 --out .data/shakespeare_bpe1024
     python -m ocformer.train --config experiments/shakespeare_bpe.py \
         --workdir runs/shakespeare_bpe
+    python -m ocformer.train --config experiments/shakespeare_bpe.py:short \
+        --workdir runs/shakespeare_bpe_short      # the 1500 steps of shakespeare_char:short
 
 The model, optimiser and budget of ``shakespeare_char.py`` (4 layers x 128 features,
 context 64 tokens, 7000 AdamW steps of 12 windows), so the two runs differ only in the

@@ -7,10 +7,18 @@ line (the sweep records it as a point's error). Every ``main(argv)`` of the pack
 reports through :func:`fail`.
 """
 
+import ctypes
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import NoReturn
+
+PARENT_ENV = "OCFORMER_PARENT_PID"
+"""Set by a command that supervises its child processes (``ocformer.launch``, a sweep)
+to its own process id: the child asks to end with it (``end_with_parent``)."""
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def fail(program: str | None, code: int, message: str) -> int:
@@ -67,8 +75,29 @@ class _StdoutOfGoneReader:
         return getattr(self._stream, name)
 
 
+def end_with_parent() -> None:
+    """When a supervising command started this process (``PARENT_ENV`` names it), have
+    the kernel send this process SIGTERM when that command ends, however it ends
+    (SIGKILL included): a training process then checkpoints and exits rather than
+    running on unsupervised. If the supervisor has already gone, SIGTERM is sent at
+    once. The variable is removed, so that this process's own children do not inherit
+    it. Linux only (``prctl``); elsewhere nothing is done."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        done = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError, ValueError):
+        return
+    if done and str(os.getppid()) != parent:  # ended before the request was made
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def exit_with(main: Callable[[], int]) -> NoReturn:
     """Exit with ``main()``'s code, as a ``python -m`` entry point: its output may go to
-    a reader that stops reading early."""
+    a reader that stops reading early, and its supervisor, if any, may end before it
+    (``end_with_parent``)."""
+    end_with_parent()
     sys.stdout = _StdoutOfGoneReader(sys.stdout)
     sys.exit(int(main()))

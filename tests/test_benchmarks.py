@@ -295,3 +295,53 @@ def test_end_to_end_refuses_a_run_without_training_steps(tmp_path, capsys):
         main(["--config", smoke, "--set", "train.steps=0"])
     assert exit_info.value.code == 2
     assert "logged no training steps" in capsys.readouterr().out
+
+
+def test_every_benchmark_refuses_bad_arguments_before_it_measures(tmp_path):
+    """A result file that could not be written, a count below 1, an unknown config
+    field: each benchmark's command line refuses them at once with argparse's exit
+    code 2 and the option named, rather than failing after a long measurement. One
+    process calls every ``main`` (each would have measured for minutes otherwise)."""
+    missing = str(tmp_path / "no" / "such" / "dir" / "r.json")
+    cases = [
+        ("run", ["--tiny", "--json", missing], "--json: the directory"),
+        ("end_to_end", ["--json", missing], "--json: the directory"),
+        ("gpu", ["--dry-run", "--json", missing], "--json: the directory"),
+        ("gpu", ["--dry-run", "--batch", "0"], "--batch: 0 is not a positive integer"),
+        ("depth_parallel", ["--quick", "--json", str(tmp_path)], "is a directory"),
+        ("depth_parallel", ["--tol", "nan"], "--tol: nan is not a finite positive number"),
+        ("scaling", ["--steps", "0"], "--steps: 0 is not a positive integer"),
+        ("scaling", ["--set", "train.stepz=3"], "unknown field train.stepz"),
+        ("profile_step", ["--set", "train.stepz=3"], "unknown field train.stepz"),
+        ("profile_step", ["--json", missing], "--json: the directory"),
+        ("prepare_corpus", ["--size", "abc"], "--size: 'abc' is not a size"),
+        ("prepare_corpus", ["--chunk-bytes", "0"], "--chunk-bytes: 0 is not a positive"),
+    ]
+    script = (
+        "import contextlib, importlib, io, json, sys\n"
+        f"cases = {[(m, a) for m, a, _ in cases]!r}\n"
+        "out = []\n"
+        "for module, args in cases:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        try:\n"
+        "            importlib.import_module('benchmarks.' + module).main(args)\n"
+        "            code = 0\n"
+        "        except SystemExit as e:\n"
+        "            code = e.code\n"
+        "    out.append([code, err.getvalue()])\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = _run_script(script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (module, args, words), (code, err) in zip(cases, json.loads(proc.stdout.splitlines()[-1])):
+        assert code == 2 and words in err, (module, args, code, err)
+    assert not os.path.exists(os.path.dirname(missing))
+
+
+def _run_script(script: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip

@@ -47,6 +47,15 @@ BASE = [
 ]
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (an orphan that ended may stay a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -553,6 +562,91 @@ def test_two_processes_agree_to_stop_at_a_checked_step(env, tmp_path):
     assert sorted(_losses(workdir)) == list(range(1, stopped + 3))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(name="distributed")
+@pytest.mark.parametrize("how", ["ctrl-c", "killed"])
+def test_a_stopped_launcher_leaves_a_checkpoint_and_no_process(env, tmp_path, how):
+    """Ctrl-C at a terminal signals the launcher's whole process group; SIGKILL ends the
+    launcher alone. Either way both training processes checkpoint together (SIGTERM,
+    once: they have their own process group and end with the launcher) and none is
+    left running; Ctrl-C ends the launcher with 130."""
+    workdir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "ocformer.launch", "local", "--nproc", "2", "--grace", "60",
+        "--", *_train_command(
+            workdir, "train.steps=100000", "train.checkpoint_every=100000",
+            "train.eval_every=100000", "train.stop_check_every=2",
+        ),
+    ]  # fmt: skip
+    launcher = subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    pids = [int(p) for p in re.findall(r"\d+", launcher.stderr.readline().split("pids")[-1])]
+    assert len(pids) == 2, pids
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    if launcher.poll() is not None:
+        out, err = launcher.communicate()
+        pytest.fail(f"the run ended before the signal:\n{out[-3000:]}\n{err[-5000:]}")
+    for pid in pids:  # its own group, not the launcher's
+        assert os.getpgid(pid) == pid != os.getpgid(launcher.pid)
+    if how == "ctrl-c":
+        os.killpg(launcher.pid, signal.SIGINT)
+    else:
+        launcher.kill()
+    out, err = launcher.communicate(timeout=600)
+    if how == "ctrl-c":
+        assert launcher.returncode == 130, err[-3000:]
+        assert "interrupted: the processes checkpointed" in err, err[-3000:]
+    deadline = time.monotonic() + 300
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, pids)), pids
+    saved = sorted(os.listdir(workdir / "checkpoints"))
+    assert len(saved) == 1 and (workdir / "checkpoints" / saved[0] / MARKER).exists(), saved
+    assert int(saved[0].removeprefix("step_")) % 2 == 0  # agreed on a checked step
+
+
+def test_a_supervised_process_ends_with_its_supervisor():
+    """A child started with ``supervised`` (as the launcher and a sweep start theirs) has
+    its own process group, does not pass the supervisor's id on, and gets SIGTERM when
+    the supervisor ends, however it ends (here ``os._exit``, as SIGKILL would)."""
+    child = (
+        "import os, time\n"
+        "from ocformer._cli import PARENT_ENV, end_with_parent\n"
+        "end_with_parent()\n"
+        "print(os.getpgid(0) == os.getpid(), PARENT_ENV in os.environ, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    supervisor = (
+        "import os, subprocess, sys\n"
+        "from ocformer.distributed import supervised\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], **supervised(os.environ))\n"
+        "print(p.pid, flush=True)\n"
+        "sys.stdin.readline()\n"
+        "os._exit(0)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", supervisor], cwd=ROOT, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        pid = int(proc.stdout.readline())
+        assert proc.stdout.readline().split() == ["True", "False"]
+        assert _alive(pid)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+
+
 def test_launch_local_stops_the_others_when_one_fails(tmp_path, capsys):
     """A process that fails ends the launch with its code, and the others are stopped:
     here each training process refuses a missing experiment file (exit 2)."""
@@ -641,6 +735,9 @@ def test_launch_refuses_bad_invocations(capsys, monkeypatch):
     assert "after --" in capsys.readouterr().err
     assert launch.main(["local", "--nproc", "0", "--", "--config", SMOKE]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
+    for grace in ("-5", "nan", "inf"):
+        assert launch.main(["local", "--nproc", "2", "--grace", grace, "--", "x"]) == 2
+        assert "--grace must be a finite number of seconds >= 0" in capsys.readouterr().err
     monkeypatch.setenv("PATH", "")
     assert launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "1", "--", "x"]) == 2
     assert "sbatch not found" in capsys.readouterr().err

@@ -150,3 +150,19 @@ def test_figure_draws_the_seed_means_against_each_axis(tmp_path):
     np.testing.assert_allclose(short[0].get_xdata(), [5, 10])
     np.testing.assert_allclose(short[0].get_ydata(), [2.0, 1.5])
     assert iterations.get_xlabel() == "iterations"
+
+
+def test_the_report_refuses_a_directory_without_a_sweep_or_without_finished_arms(tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        report.main([str(tmp_path / "nowhere")])
+    assert refused.value.code == 2
+    assert "is not a sweep directory (no sweep.json)" in capsys.readouterr().err
+    # One finished msa point; the adamw one has not run (an interrupted --only loop).
+    sweep = tmp_path / "digits"
+    sweep.mkdir()
+    _write_sweep(sweep, "digits", [("msa", 0, _records(5, [1.0, 2.0], [2.0, 1.0]))], [("adamw", 0)])
+    with pytest.raises(SystemExit) as refused:
+        report.main([str(sweep)])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "not finished, left out" in err and "has no finished adamw point yet" in err

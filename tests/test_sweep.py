@@ -876,9 +876,10 @@ def test_stop_processes_sigkills_a_process_that_ignores_sigterm():
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
 def test_a_signal_to_a_sweep_stops_its_point_and_records_it(tmp_path, compile_cache, signum):
-    """A real sweep process and its real training process: SIGTERM or SIGINT to the
-    sweep reaches the training process (it checkpoints and exits, nothing is left
-    running), the point is recorded as interrupted, and the sweep exits 128 + signal."""
+    """A real sweep process and its real training process: SIGTERM to the sweep, or
+    SIGINT to its process group (Ctrl-C at a terminal), reaches the training process
+    as one SIGTERM (it checkpoints and exits, nothing is left running), the point is
+    recorded as interrupted, and the sweep exits 128 + signal."""
     import glob
     import signal
     import subprocess
@@ -906,6 +907,7 @@ def test_a_signal_to_a_sweep_stops_its_point_and_records_it(tmp_path, compile_ca
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 600
@@ -919,7 +921,10 @@ def test_a_signal_to_a_sweep_stops_its_point_and_records_it(tmp_path, compile_ca
                 metrics = []
         point = os.path.dirname(os.path.dirname(metrics[0]))
         child = read_status(point)["process"]
-        os.kill(sweep.pid, getattr(signal, signum))
+        if signum == "SIGINT":
+            os.killpg(sweep.pid, signal.SIGINT)  # the terminal signals the whole group
+        else:
+            os.kill(sweep.pid, signal.SIGTERM)
         _, err = sweep.communicate(timeout=300)
     finally:
         if sweep.poll() is None:

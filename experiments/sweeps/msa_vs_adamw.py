@@ -329,7 +329,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("sweep_dirs", nargs="+", metavar="DIR")
     parser.add_argument("--figure", default=None, metavar="PNG")
     args = parser.parse_args(argv)
-    models = [read_sweep(d) for d in args.sweep_dirs]
+    models = []
+    for d in args.sweep_dirs:
+        if not os.path.isfile(os.path.join(d, "sweep.json")):
+            parser.error(f"{d} is not a sweep directory (no sweep.json); give the --workdir "
+                         "of an msa_vs_adamw sweep")  # fmt: skip
+        arg, curves = read_sweep(d)
+        missing = [arm for arm in ("msa", "adamw") if not curves.get(arm)]
+        if missing:
+            parser.error(f"{d} has no finished {' or '.join(missing)} point yet; run the "
+                         "sweep's points (the commands above) before the report")  # fmt: skip
+        models.append((arg, curves))
     print(tables(models), end="")
     if args.figure:
         figure(models, args.figure)

@@ -29,4 +29,5 @@ from ._processes import (
     SlurmJob as SlurmJob,
     slurm_job as slurm_job,
     stop_processes as stop_processes,
+    supervised as supervised,
 )

@@ -7,8 +7,9 @@ cluster. Process 0 hosts the coordinator on a free port; each process gets
 ``OCFORMER_COORDINATOR``, ``OCFORMER_NUM_PROCESSES`` and ``OCFORMER_PROCESS_ID``. It
 watches them: when one ends with an error or a signal, it says which, stops the others
 (SIGTERM, then SIGKILL after a grace period) and returns that process's code, so a dead
-process never leaves the others waiting. SIGTERM to the launcher is passed on: the
-processes checkpoint together and exit with 143.
+process never leaves the others waiting. SIGTERM, SIGHUP and Ctrl-C to the launcher
+are passed on as SIGTERM: the processes checkpoint together and exit (a second Ctrl-C
+kills them). The processes have their own process group and end with the launcher.
 
 ``training_job`` and ``submit_training`` make one SLURM job of N x G tasks, one per
 GPU, through submitit. Every task (``TrainTask``) runs ``python -m ocformer.train``
@@ -17,6 +18,8 @@ from SLURM. On preemption or timeout the training processes checkpoint on SIGTER
 the job is requeued; the rerun resumes from that checkpoint.
 """
 
+import contextlib
+import math
 import os
 import shutil
 import signal
@@ -31,7 +34,7 @@ from typing import Any
 import submitit
 
 from ._process import process_environment
-from ._processes import SlurmJob, slurm_job, stop_processes
+from ._processes import SlurmJob, slurm_job, stop_processes, supervised
 
 GRACE_S = 30.0
 """Seconds the other processes get after one fails, before SIGKILL."""
@@ -97,7 +100,10 @@ def launch_local(
     Process 0 hosts the coordinator; each process gets its place from
     ``process_environment``. When one process ends with an error or a signal, the
     others are stopped (``stop_processes``: SIGTERM, SIGKILL after ``grace_s``).
-    SIGTERM to this process, and Ctrl-C, are passed on to them.
+    SIGTERM, SIGHUP and Ctrl-C to this process are passed on to them as SIGTERM (they
+    checkpoint together); a second Ctrl-C kills them. The processes have their own
+    process group, so a Ctrl-C at the terminal reaches them only through this process,
+    and each ends (SIGTERM) if this process is killed.
 
     Args:
         nproc: how many processes.
@@ -106,15 +112,21 @@ def launch_local(
         grace_s: seconds the others get after one process fails, before SIGKILL.
 
     Returns:
-        The exit code: 0 when every process finished; 143 when they were all stopped
-        by SIGTERM (each checkpointed); else the first failing process's code
-        (``128 + N`` for signal N).
+        The exit code: 0 when every process finished; 130 after Ctrl-C; 143 when they
+        were all stopped by SIGTERM (each checkpointed); else the first failing
+        process's code (``128 + N`` for signal N).
 
     Raises:
-        LaunchError: ``nproc`` below 1, or ``port`` not a free port (nothing started).
+        LaunchError: ``nproc`` below 1, ``grace_s`` negative or not finite, or ``port``
+            not a free port (nothing started).
     """
     if nproc < 1:
         raise LaunchError(f"--nproc must be >= 1, got {nproc}")
+    if not (math.isfinite(grace_s) and grace_s >= 0):
+        raise LaunchError(
+            f"--grace must be a finite number of seconds >= 0, got {grace_s}: the "
+            "processes get that long to end after SIGTERM, before SIGKILL"
+        )
     if port is not None:
         problem = _port_problem(port)
         if problem is not None:
@@ -124,55 +136,97 @@ def launch_local(
     env.setdefault("JAX_PLATFORMS", "cpu")
     procs: list[subprocess.Popen] = []
     threads = []
-    for i in range(nproc):
-        child_env = {**env, **process_environment(address, nproc, i)}
-        piped = i > 0  # process 0 keeps the terminal (its progress bar); others are tagged
-        p = subprocess.Popen(
-            train_command(train_args),
-            env=child_env,
-            stdout=subprocess.PIPE if piped else None,
-            stderr=subprocess.STDOUT if piped else None,
-        )
-        procs.append(p)
-        if piped:
-            t = threading.Thread(target=_prefix, args=(p.stdout, f"[process {i}] ", sys.stdout))
-            t.daemon = True
-            t.start()
-            threads.append(t)
-    _say(f"{nproc} processes, coordinator {address}, pids {[p.pid for p in procs]}")
-
-    def forward(signum, frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    previous = signal.signal(signal.SIGTERM, forward)
+    stop = _Stop(procs)
+    previous = {s: signal.signal(s, stop.handle) for s in _STOP_SIGNALS}
     try:
-        code = _supervise(procs, grace_s)
-    except KeyboardInterrupt:
-        forward(signal.SIGINT, None)
-        code = _supervise(procs, grace_s)
+        for i in range(nproc):
+            piped = i > 0  # process 0 keeps the terminal (its progress bar); others tagged
+            p = subprocess.Popen(
+                train_command(train_args),
+                stdout=subprocess.PIPE if piped else None,
+                stderr=subprocess.STDOUT if piped else None,
+                **supervised({**env, **process_environment(address, nproc, i)}),
+            )
+            procs.append(p)
+            if piped:
+                tag = f"[process {i}] "
+                t = threading.Thread(target=_prefix, args=(p.stdout, tag, sys.stdout))
+                t.daemon = True
+                t.start()
+                threads.append(t)
+        _say(f"{nproc} processes, coordinator {address}, pids {[p.pid for p in procs]}")
+        stop.started()
+        code = _supervise(procs, grace_s, stop)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
     for t in threads:
         t.join(timeout=5)
     for p in procs:
         if p.stdout is not None:
             p.stdout.close()
+    if stop.signum == signal.SIGINT:
+        if stop.killed:
+            _say("interrupted again: the processes were killed; the newest committed "
+                 "checkpoint is the resume point")  # fmt: skip
+        else:
+            _say("interrupted: the processes checkpointed; rerun the command to resume")
+        return 130
     return code
 
 
-def _supervise(procs: list[subprocess.Popen], grace_s: float) -> int:
-    """Wait for the processes; when one fails, stop the others and return its code."""
+# Signals to this process that stop the run: each is passed on as SIGTERM (the
+# processes checkpoint together and exit 143). SIGHUP: the terminal or session closed.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _Stop:
+    """The launcher's handler of ``_STOP_SIGNALS``: the first passes SIGTERM on to the
+    processes; a second Ctrl-C kills them. A signal that comes while they are being
+    started is passed on once all are started."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+        self.signum: int | None = None
+        self.killed = False
+        self._started = False
+
+    def handle(self, signum, frame):
+        del frame
+        if self.signum is not None:
+            if signum == signal.SIGINT:
+                self.killed = True
+                self._send(signal.SIGKILL)
+            return
+        self.signum = signum
+        if self._started:
+            self._send(signal.SIGTERM)
+
+    def started(self) -> None:
+        self._started = True
+        if self.signum is not None:
+            self._send(signal.SIGKILL if self.killed else signal.SIGTERM)
+
+    def _send(self, sig: int) -> None:
+        for p in self.procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, sig)
+
+
+def _supervise(procs: list[subprocess.Popen], grace_s: float, stop: "_Stop") -> int:
+    """Wait for the processes; when one fails, stop the others and return its code
+    (said on stderr unless the launcher is itself stopping them)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             i, c = failed[0]
-            _say(
-                f"process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
-                f"processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
-            )
+            if stop.signum is None:
+                _say(
+                    f"process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
+                    f"processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
+                )
             stop_processes(procs, grace_s)
             for p in procs:
                 p.wait()  # ended; collect the exit codes
@@ -197,7 +251,7 @@ class TrainTask(submitit.helpers.Checkpointable):
         self._proc: subprocess.Popen | None = None
 
     def __call__(self) -> int:
-        self._proc = subprocess.Popen(train_command(self.train_args))
+        self._proc = subprocess.Popen(train_command(self.train_args), **supervised(os.environ))
         code = self._proc.wait()
         if code != 0:
             raise RuntimeError(f"python -m ocformer.train {_describe(code)}")

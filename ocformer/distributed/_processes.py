@@ -21,6 +21,7 @@ from typing import Any
 
 import submitit
 
+from .._cli import PARENT_ENV
 from .._compat import sbatch_script
 
 # How long SIGKILLed processes are waited for (the kernel ends them at once; this only
@@ -46,6 +47,20 @@ def _running(p: Popen) -> bool:
     except ChildProcessError:  # reaped meanwhile by its waiter
         return False
     return ended is None
+
+
+def supervised(env: Mapping[str, str]) -> dict[str, Any]:
+    """``subprocess.Popen`` keyword arguments of a child that this process supervises,
+    with environment ``env``.
+
+    The child gets its own process group, so that a Ctrl-C at the terminal reaches this
+    process alone, which then stops the child with ``stop_processes`` (SIGTERM: a
+    training process checkpoints) instead of the child being interrupted directly and
+    then signalled again. And its environment names this process (``PARENT_ENV``): the
+    child's command line asks the kernel for SIGTERM when this process ends, however it
+    ends, so that no child runs on unsupervised.
+    """
+    return {"process_group": 0, "env": {**env, PARENT_ENV: str(os.getpid())}}
 
 
 def stop_processes(

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from ..checkpointing import atomic_write_text
-from ..distributed import stop_processes
+from ..distributed import stop_processes, supervised
 from ._spec import SweepError
 
 STATUS_FILE = "sweep_point.json"
@@ -145,7 +145,7 @@ def _run_logged(
         offset = log.tell()
         log.write(("$ " + " ".join(command) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **supervised(env))
         with _children_lock:
             _children.add(proc)
             if _stopping["signal"] is not None:

@@ -460,8 +460,9 @@ def _manifest(path: pathlib.Path, label: str = "task.path ") -> dict:
     if not path.exists():
         raise DataNotFoundError(
             f"{label}{path} does not exist. Prepare a dataset there with `python -m "
-            "ocformer.tasks.prepare text --input FILE --tokenizer char --out "
-            f"{path}`"
+            "ocformer.tasks.prepare text --input FILE --tokenizer TOKENIZER --out "
+            f"{path}` (TOKENIZER: char, bpe:N, or a tokenizer.json; the experiment's "
+            "docstring gives its command)"
         )
     file = path / MANIFEST_FILE
     if not path.is_dir() or not file.is_file():
