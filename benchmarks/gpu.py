@@ -240,9 +240,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="a tiny model on whatever backend is present: checks the code path",
     )
     parser.add_argument(
-        "--batch", type=positive_int, default=GPT2_SMALL["batch"], help="sequences per step"
+        "--batch",
+        type=positive_int,
+        default=None,
+        help=f"sequences per step (default {GPT2_SMALL['batch']}; a dry run's {DRY_RUN['batch']})",
     )
-    parser.add_argument("--budget", type=positive_float, default=60.0, help="seconds of timing")
+    parser.add_argument(
+        "--budget", type=positive_float, default=60.0,
+        help="seconds of timing of each step (a dry run times 0.2 s, whatever is given)",
+    )  # fmt: skip
     parser.add_argument(
         "--attention",
         choices=("xla", "cudnn"),
@@ -275,7 +281,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    size = dict(DRY_RUN) if args.dry_run else dict(GPT2_SMALL, batch=args.batch)
+    size = dict(DRY_RUN if args.dry_run else GPT2_SMALL)
+    if args.batch is not None:
+        size["batch"] = args.batch
     budget, repeats = (0.2, (3, 10)) if args.dry_run else (args.budget, (10, 1000))
     result = run(
         size,

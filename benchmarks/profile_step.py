@@ -183,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         sources = _hlo_sources(jax_compiled(compiled).as_text())
         report[name] = summarise(times, sources, args.steps, args.top)
     report["trace_dir"] = base
+    print(f"trace: {base} (open with TensorBoard's profile plugin or ui.perfetto.dev)")
     for name in ("ocformer", "flax"):
         r = report[name]
         print(f"== {name}: {1e3 * r['op_time_per_step_s']:.2f} ms of XLA op time per step")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ocformer.analysis import convergence_study, fitted_slope, study_stepper
+from ocformer.analysis import convergence_study, fitted_slope, study_model, study_stepper
 from ocformer.analysis.__main__ import _names, main
 from ocformer.splitting import Strang
 
@@ -92,6 +92,17 @@ def test_relaxed_formulation_at_a_fixed_eps_is_studied_over_the_steps():
     with pytest.raises(ValueError, match="formulation='relaxed'"):
         convergence_study(["kencarp3"], formulation="pre", relaxation_eps=0.1)
     assert main(["convergence", "--formulation", "pre", "--relaxation-eps", "0.1"]) == 2
+
+
+def test_a_given_model_is_studied_under_its_own_formulation_only():
+    """A pre-LN model asked to be studied as "projected" is refused (the table would
+    carry the wrong name); without ``formulation`` the model's own is used."""
+    pre = study_model("pre")
+    with pytest.raises(ValueError, match="does not describe the model given"):
+        convergence_study(["lie"], (2, 4), formulation="projected", model=pre)
+    with pytest.raises(ValueError, match="does not describe the model given"):
+        convergence_study(["lie"], (2, 4), formulation="pre", model=study_model("projected"))
+    assert convergence_study(["lie"], (2, 4), model=pre)["formulation"] == "pre"
 
 
 def test_scheme_names_keep_strang_sequences_whole():

@@ -477,6 +477,24 @@ def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
     assert events.stat().st_size > 0
 
 
+def test_slurms_warning_signal_asks_the_run_to_stop_like_sigterm():
+    """SLURM signals every process of a job step with SIGUSR2 ahead of its time limit
+    (``--signal=USR2@90``): the run takes it as SIGTERM, a request to checkpoint and
+    stop, rather than dying of its default action; the handlers are put back after."""
+    import signal
+
+    from ocformer.training import _preempt
+
+    before = signal.getsignal(signal.SIGUSR2)
+    for signum in (signal.SIGUSR2, signal.SIGTERM):
+        with _preempt.PreemptionGuard(60.0) as guard:
+            assert not guard.requested
+            signal.raise_signal(signum)
+            assert guard.requested
+        assert guard._timer is not None and guard._timer.finished.is_set()  # cancelled
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
 def test_a_library_caller_survives_a_second_interrupt(monkeypatch):
     """In a notebook a second interrupt while the run stops raises KeyboardInterrupt
     again (the kernel lives on); only the command line makes it end the process."""

@@ -10,7 +10,7 @@ per layer x 2 seeds (18 runs) on the smoke copy task, 200 training steps each: t
 model is trained under the discretisation it is evaluated with.
 
 Measured (commit 160d726, 2 CPU cores, 5 minutes): validation loss, mean +- std over 2
-seeds, at 1 / 2 / 4 steps per layer: Lie 0.561 / 0.759 / 0.835, Strang 0.925 / 0.897 /
+seeds, at 1 / 2 / 4 steps per layer: Lie 0.561 / 0.759 / 0.834, Strang 0.925 / 0.897 /
 0.892, parallel 0.467 / 0.669 / 0.787 (std 0.08-0.20); training steps/s Lie 167 / 136 /
 86, Strang 86 / 75 / 56, parallel 150 / 136 / 103 (two trainings at a time on the two
 cores). Refinement costs time and, at 200 training steps, makes the trained model

@@ -108,6 +108,30 @@ def study_model(
     )
 
 
+def _study_formulation(formulation: str | None, model: ContinuousTransformer | None) -> str:
+    """The study's formulation: the one asked for, which ``model`` must be of, or the
+    model's own (``"pre"`` without a model)."""
+    if model is None:
+        return "pre" if formulation is None else formulation
+    own = model.formulation
+    if own == "split":
+        own = "pre" if model.norm == "pre" else None
+    if formulation is None and own is not None:
+        return own
+    fits = own is not None and (
+        formulation == own or (formulation == "relaxed" and own == "projected")
+    )
+    if not fits or formulation is None:
+        what = f"norm={model.norm!r}, formulation={model.formulation!r}"
+        raise ValueError(
+            f"formulation={formulation!r} does not describe the model given ({what}): the "
+            "study would measure the model's own dynamics under another name. Leave "
+            "formulation out to study the model as it is, or give a model of that "
+            "formulation (ocformer.models.reformulate, or study_model(formulation))."
+        )
+    return formulation
+
+
 def study_input(model: ContinuousTransformer, seed: int = 0, tokens: int = 6) -> jax.Array:
     """A random embedded input u(0) of shape (tokens, d)."""
     return jr.normal(jr.PRNGKey(seed + 1), (tokens, model.width), jnp.float64)
@@ -145,7 +169,7 @@ def convergence_study(
     schemes: Sequence[str] = ("lie", "strang"),
     steps: Sequence[int] = (4, 8, 16, 32, 64),
     *,
-    formulation: str = "pre",
+    formulation: str | None = None,
     seed: int = 0,
     reference_factor: int = 8,
     epsilons: Sequence[float] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3),
@@ -177,7 +201,8 @@ def convergence_study(
         schemes: names from ``ocformer.splitting.SCHEMES`` or ``ocformer.splitting.SOLVERS``.
         steps: steps per layer.
         formulation: ``"pre"`` (smooth pre-LN), ``"projected"`` or ``"relaxed"``
-            (post-LN).
+            (post-LN); default: that of ``model``, else ``"pre"``. A ``model`` must
+            be of it (``"relaxed"``: a projected or relaxed model).
         seed: seeds the model and the input.
         reference_factor: the reference's step count relative to the finest.
         epsilons, relaxed_solver, relaxed_steps: the relaxation study.
@@ -195,6 +220,7 @@ def convergence_study(
     """
     if not schemes:
         raise ValueError("No scheme given; give e.g. ['lie', 'strang'].")
+    formulation = _study_formulation(formulation, model)
     steppers = {name: study_stepper(name) for name in schemes}  # unknown names first
     if relaxation_eps is not None:
         if formulation != "relaxed":

@@ -24,6 +24,7 @@ from ._process import (
     initialize as initialize,
     process_environment as process_environment,
     process_settings as process_settings,
+    wait_timeout_s as wait_timeout_s,
 )
 from ._processes import (
     SlurmJob as SlurmJob,

@@ -251,9 +251,16 @@ class TrainTask(submitit.helpers.Checkpointable):
         self._proc: subprocess.Popen | None = None
 
     def __call__(self) -> int:
+        """Run the training process; its code 0, or 143 when it checkpointed and
+        stopped on a signal (the job is then being requeued, by submitit on the task of
+        rank 0, which calls ``checkpoint``; the other tasks' processes stop with it).
+
+        Raises:
+            RuntimeError: the training process failed (any other code).
+        """
         self._proc = subprocess.Popen(train_command(self.train_args), **supervised(os.environ))
         code = self._proc.wait()
-        if code != 0:
+        if code not in (0, 143):  # 143: preempted, checkpointed
             raise RuntimeError(f"python -m ocformer.train {_describe(code)}")
         return code
 

@@ -60,6 +60,12 @@ def _cluster() -> str | None:
     return None
 
 
+def wait_timeout_s() -> int:
+    """How long a process waits for the others (to join, or to show their files in a
+    shared directory): ``OCFORMER_DISTRIBUTED_TIMEOUT_S``, default 120 s."""
+    return _env_int(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)
+
+
 def process_environment(coordinator: str, num_processes: int, process_id: int) -> dict[str, str]:
     """The variables that give a process its place in a run (what ``process_settings``
     reads back): set them in a process's environment instead of passing the flags."""
@@ -198,7 +204,7 @@ def initialize(
         return False
     if jax.distributed.is_initialized():
         return True
-    timeout = timeout_s if timeout_s is not None else _env_int(ENV_TIMEOUT, DEFAULT_TIMEOUT_S)
+    timeout = timeout_s if timeout_s is not None else wait_timeout_s()
     heartbeat = _env_int(ENV_HEARTBEAT, DEFAULT_HEARTBEAT_S)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if settings is None:

@@ -88,8 +88,8 @@ class NonFiniteError(TrainingError):
 
 
 class Preempted(TrainingError):
-    """SIGTERM received; the run stopped after step ``step``. ``checkpoint`` is the path
-    written (None if the grace period ran out first)."""
+    """SIGTERM (or SLURM's SIGUSR2) received; the run stopped after step ``step``.
+    ``checkpoint`` is the path written (None if the grace period ran out first)."""
 
     exit_code = ExitCode.PREEMPTED
 
@@ -98,7 +98,7 @@ class Preempted(TrainingError):
         where = f"checkpoint {checkpoint}" if checkpoint else "no new checkpoint"
         super().__init__(
             step,
-            f"preempted (SIGTERM) after step {step}; wrote {where}. Re-run the same "
+            f"preempted (SIGTERM or SIGUSR2) after step {step}; wrote {where}. Re-run the same "
             "command to resume.",
         )
 

@@ -406,7 +406,9 @@ def train(
     enable_compile_cache()  # effective if nothing was compiled before in this process
     started = time.perf_counter()
     layout = Layout(config)  # a mesh larger than the devices is refused here
-    run = RunDirectory(workdir, primary=is_primary(), barrier=layout.barrier)
+    run = RunDirectory(
+        workdir, primary=is_primary(), barrier=layout.barrier, any_process=layout.any_process
+    )
     changes = run.check(config, allow_config_change=allow_config_change)
     exp = _build_for(run, config, layout)
     with run:

@@ -21,8 +21,16 @@ def exit_on_second_interrupt() -> None:
     _exit_on_second_interrupt = True
 
 
+# The signals that ask a run to checkpoint and stop: SIGTERM, and SIGUSR2, which SLURM
+# sends to every process of a job step ahead of its time limit or preemption
+# (``--signal=USR2@N``, as the jobs of ``ocformer.launch slurm`` ask for) and whose
+# default action would end the process at once, without a checkpoint.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR2)
+
+
 class PreemptionGuard:
-    """Turns SIGTERM into a flag the loop polls between steps.
+    """Turns SIGTERM (and SIGUSR2, ``STOP_SIGNALS``) into a flag the loop polls between
+    steps.
 
     A cluster scheduler sends SIGTERM some time before SIGKILL. The loop finishes the
     step in flight, writes a checkpoint and raises ``Preempted``. If that takes longer
@@ -42,7 +50,7 @@ class PreemptionGuard:
         self.grace_s = grace_s
         self.requested_at: float | None = None
         self.interrupted = False
-        self._previous = None
+        self._previous: dict | None = None
         self._previous_interrupt = None
         self._timer: threading.Timer | None = None
 
@@ -77,7 +85,7 @@ class PreemptionGuard:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
             self._previous_interrupt = signal.signal(signal.SIGINT, self._interrupt)
         return self
 
@@ -85,7 +93,8 @@ class PreemptionGuard:
         if self._timer is not None:
             self._timer.cancel()
         if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+            for s, h in self._previous.items():
+                signal.signal(s, h)
             signal.signal(signal.SIGINT, self._previous_interrupt)
             self._previous = self._previous_interrupt = None
         return False

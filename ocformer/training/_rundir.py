@@ -15,9 +15,12 @@ import importlib.metadata
 import json
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Callable
+
+import jax
 
 from ..checkpointing import (
     CheckpointError,
@@ -27,6 +30,7 @@ from ..checkpointing import (
     remove_stale_temporaries,
 )
 from ..config import Config, ConfigError, to_dict
+from ..distributed import wait_timeout_s
 from ..tasks import dataset_identity
 from ._errors import DATASET_CHANGE, ConfigChanged, WorkdirError
 from ._lock import LOCK_FILE, DirectoryLock
@@ -34,6 +38,10 @@ from ._metrics import MetricsLog, TensorBoard, rewind_samples
 from ._run_info import git_revision, package_versions, platform_info
 
 RUN_MARKER = "ocformer_run.json"
+# A run of several processes checks that they all see one directory: each leaves a
+# file named by its index here, and each looks for the others' (then it is removed).
+PROCESSES_DIR = ".processes"
+
 # Fields that do not change what a run computes: a resumed run may differ in them
 # without --allow-config-change (they are still written to config.json).
 PRESENTATION_FIELDS: frozenset[str] = frozenset(
@@ -204,6 +212,7 @@ class RunDirectory:
         *,
         primary: bool = True,
         barrier: Callable[[str], None] | None = None,
+        any_process: Callable[[bool], bool] | None = None,
     ):
         text = "" if path is None else os.fspath(path)
         if not str(text).strip():
@@ -224,6 +233,7 @@ class RunDirectory:
         self.stored_config: dict | None = None  # config.json as found by check()
         self.primary = primary
         self._barrier = barrier or (lambda name: None)
+        self._any_process = any_process
         self._lock = DirectoryLock(self.path)
         self._allow_config_change = False
         self._config_recovered_from: str | None = None  # checkpoint config.json came from
@@ -370,6 +380,7 @@ class RunDirectory:
                 config, allow_config_change=self._allow_config_change or bool(changes)
             )
             self._claim()
+        self._check_shared()
         self.checkpoints = CheckpointManager(
             os.path.join(self.path, "checkpoints"),
             keep=keep_checkpoints,
@@ -431,6 +442,52 @@ class RunDirectory:
                 f"work directory {self.path} cannot be created or written: {e.strerror}"
             ) from None
         self._lock.acquire()
+
+    def _check_shared(self) -> None:
+        """In a run of several processes (``any_process`` given), that every process
+        sees this one directory, before any of them reads a checkpoint from it.
+
+        Raises:
+            WorkdirError: (on every process together) some process does not see the
+                others' files here: the directory is not on a shared file system.
+        """
+        count = jax.process_count()
+        if count == 1 or self._any_process is None:
+            return
+        folder = os.path.join(self.path, PROCESSES_DIR)
+        if self.primary:
+            shutil.rmtree(folder, ignore_errors=True)  # a crashed run's
+        self._barrier("ocformer:rundir:shared-cleared")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, str(jax.process_index())), "w"):
+            pass
+        self._barrier("ocformer:rundir:shared-written")
+        # A network file system may show a file created on another host only once its
+        # attribute cache expires (up to a minute): look for as long as for a process.
+        wait = wait_timeout_s()
+        deadline = time.monotonic() + wait
+        while True:
+            missing = [i for i in range(count) if not os.path.isfile(os.path.join(folder, str(i)))]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if self._any_process(bool(missing)):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, str(jax.process_index())))
+                os.rmdir(folder)
+            seen = (
+                f"process {jax.process_index()} does not see the files of processes {missing} there"
+                if missing
+                else "another process does not see this one's files there"
+            )
+            raise WorkdirError(
+                f"work directory {self.path} is not one directory for all {count} processes: "
+                f"{seen} (looked for {wait}s). It must be on a file system every "
+                "process sees (e.g. NFS or Lustre), at the same path"
+            )
+        self._barrier("ocformer:rundir:shared-checked")
+        if self.primary:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _claim(self) -> None:
         try:
