@@ -7,8 +7,8 @@ keeps the equation (``ContinuousTransformer``) apart from its numerics
 (``Discretisation``).
 """
 
-import importlib
-from importlib.metadata import PackageNotFoundError, version as _version
+import importlib as _importlib
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError, version as _version
 
 from .config import Config as Config
 from .convert import from_layers as from_layers, to_layers as to_layers
@@ -35,11 +35,11 @@ def __getattr__(name: str):
     # function. It is imported on first use rather than here, so that
     # `python -m ocformer.train` does not find it already imported (runpy warns).
     if name == "train":
-        return importlib.import_module(".train", __name__)
+        return _importlib.import_module(".train", __name__)
     raise AttributeError(f"module 'ocformer' has no attribute {name!r}")
 
 
 try:
     __version__ = _version("ocformer")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+except _PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"

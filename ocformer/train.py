@@ -73,8 +73,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-compile-cache",
         action="store_true",
         help="do not use JAX's persistent compilation cache (default: on, in "
-        "$OCFORMER_COMPILE_CACHE or ~/.cache/ocformer/jax; OCFORMER_COMPILE_CACHE=off "
-        "also turns it off)",
+        "$OCFORMER_COMPILE_CACHE, else $XDG_CACHE_HOME/ocformer/jax or "
+        "~/.cache/ocformer/jax; OCFORMER_COMPILE_CACHE=off also turns it off)",
     )
     group = p.add_argument_group("several processes (default: from SLURM or a TPU slice)")
     group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")

@@ -157,6 +157,15 @@ def test_operator_options_out_of_range():
         activate(jnp.zeros(3), "tanh")
     with pytest.raises(ValueError, match=r"Attention.num_heads must be a positive integer, got 0"):
         Attention(num_heads=0)
+    # A string is not a flag: "False" would otherwise be taken as true.
+    with pytest.raises(ValueError, match=r"Attention.causal must be True or False, got 'False'"):
+        Attention(num_heads=2, causal="False")
+    import diffrax
+
+    from ocformer.integration import Discretisation
+
+    with pytest.raises(ValueError, match=r"jump_ts must be True or False, got 'False'"):
+        Discretisation(diffrax.Tsit5(), stepsize="pid", jump_ts="False")
 
 
 @pytest.mark.parametrize("steps", [0, -2, 2.0, True, "4"])
@@ -174,6 +183,9 @@ def test_steps_per_layer_is_refused_alike_by_the_discretisation_and_the_grid(ste
         time_grid(control, steps, jnp.float32)
     assert str(made.value) == str(gridded.value) == expected
     assert time_grid(control, 3, jnp.float32)[1] == 2 * 3
+    # A numpy integer (from np.arange, a sweep's grid) is a step count.
+    assert Discretisation(steps_per_layer=np.int64(3)).steps_per_layer == 3
+    assert time_grid(control, np.int64(3), jnp.float32)[1] == 2 * 3
 
 
 # ---------------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ def test_default_mesh_is_one_device_and_inactive():
         (("127.0.0.1:1234", 0, 0), "number of processes must be >= 1, got 0"),
         (("127.0.0.1:1234", 2, None), "go together"),
         (("localhost", 2, 0), "is not HOST:PORT"),
+        (("127.0.0.1:99999", 2, 0), "port 99999 is not a port number (1..65535)"),
+        (("127.0.0.1:0", 2, 1), "port 0 is not a port number"),
     ],
 )
 def test_bad_process_settings(args, words):

@@ -237,3 +237,26 @@ def test_bad_arguments_of_the_model_api_are_named():
         m.generate(jr_.key(0), [[1, 2], [3, 4]], 3)
     with pytest.raises(ValueError, match=rf"ids outside the vocabulary 0..{V - 1}: \[{V}\]"):
         m.generate(jr_.key(0), [1, V], 3)
+    for prompt in ([1.7, 2.9], [True, False]):  # not silently truncated to ids
+        with pytest.raises(ValueError, match="generate takes integer symbol ids"):
+            m.generate(jr_.key(0), prompt, 3)
+    assert m.generate(jr_.key(0), np.array([1, 2], np.int64), np.int64(2)).shape == (2,)
+
+
+def test_evaluate_refuses_a_model_that_does_not_fit_the_configuration():
+    """A model of another vocabulary than the configuration's task would give a NaN
+    loss and a meaningless accuracy: it is refused, naming the array and both shapes."""
+    from ocformer.config import Config, ModelConfig, TaskConfig
+    from ocformer.evaluation import evaluate
+    from ocformer.training import build
+
+    def config(vocab):
+        return Config(
+            model=ModelConfig(num_layers=1, width=8, hidden=16, num_heads=2),
+            task=TaskConfig(name="copy", seq_len=6, vocab_size=vocab, batch_size=4),
+        )
+
+    model = build(config(5)).model
+    assert np.isfinite(evaluate(config(5), model)["val_loss"])
+    with pytest.raises(ValueError, match=r"embedding.tokens has shape \(5, 8\), .* \(7, 8\)"):
+        evaluate(config(7), model)

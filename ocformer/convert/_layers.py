@@ -258,7 +258,9 @@ def to_layers(model: ContinuousTransformer) -> list[dict]:
     explicit-Euler step per layer, the split formulation, piecewise-constant controls)
     with two feed-forward maps: under any other discretisation the layers would not
     reproduce the model. ``w1 = E + W_1`` and ``w2 = R + W_2`` are reassembled, so a
-    round trip is exact up to one rounding of the diagonal of those two kernels.
+    round trip is exact up to one rounding of the diagonal of those two kernels. The
+    layers only: the keyword options of ``from_layers`` (``norm``, ``num_heads``,
+    ``final_norm`` from ``model.final_norm``, ...) are the model's, to be given again.
 
     Raises:
         ValueError: ``model`` is discretised otherwise (the fields that differ are

@@ -5,13 +5,17 @@ A process learns its place in the run from flags (``--coordinator``,
 ``OCFORMER_NUM_PROCESSES`` and ``OCFORMER_PROCESS_ID`` (what ``ocformer.launch local``
 sets), or from a cluster: a SLURM step of more than one task, or a TPU pod slice of more
 than one host, which JAX detects itself. Every wait is bounded: a coordinator that cannot
-be reached, a process that never joins, or processes started with different counts end
-in a ``DistributedError`` that names the address, the counts and the timeout.
+be reached, or processes started with different counts of which process 0's is the
+smaller, end in a ``DistributedError`` that names the address, the counts and the
+timeout. When process 0 waits for processes that never join, JAX's coordination service
+ends the waiting processes with its own fatal error after the timeout (it cannot be
+caught); each process has said beforehand what it waits for.
 """
 
 import os
 import re
 import socket
+import sys
 import time
 
 import jax
@@ -114,6 +118,11 @@ def process_settings(
         raise DistributedError(
             f"coordinator address {coordinator!r} is not HOST:PORT (e.g. 10.0.0.1:1234)"
         )
+    port = int(coordinator.rsplit(":", 1)[1])
+    if not 1 <= port <= 65535:
+        raise DistributedError(
+            f"coordinator address {coordinator!r}: port {port} is not a port number (1..65535)"
+        )
     if num_processes < 1:
         raise DistributedError(f"the number of processes must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
@@ -196,7 +205,8 @@ def initialize(
 
     Raises:
         DistributedError: bad settings, an unreachable coordinator (with its address
-            and the timeout), a process that does not join, or mismatched counts.
+            and the timeout), or mismatched counts (process 0's the smaller; for
+            processes that never join, see the module's note).
     """
     settings = process_settings(coordinator, num_processes, process_id)
     cluster = None if settings is not None else _cluster()
@@ -220,6 +230,14 @@ def initialize(
             ) from None
         return True
     address, count, pid = settings
+    # JAX ends a process that waits in vain with a fatal error of its own (no
+    # exception to catch): this line says beforehand what it waits for.
+    print(
+        f"ocformer: process {pid} of {count} joins the coordinator at {address}, waiting "
+        f"up to {timeout}s for the others",
+        file=sys.stderr,
+        flush=True,
+    )
     if pid != 0:  # process 0 hosts the coordinator
         _wait_for_coordinator(address, timeout)
     try:

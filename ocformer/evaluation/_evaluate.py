@@ -168,6 +168,36 @@ def solver_stats(model, batch: dict) -> dict:
     }
 
 
+def _check_model_fits(model, built) -> None:
+    """``model``'s embedding and readout have the arrays of the model ``config`` builds
+    (its vocabulary, context, width and classes), so that its task's batches fit it.
+
+    Raises:
+        ValueError: naming the first array whose shape differs.
+    """
+    for part in ("embedding", "head"):
+        mine, theirs = getattr(model, part, None), getattr(built, part, None)
+        if (mine is None) != (theirs is None):
+            raise ValueError(
+                f"the model {'has no' if mine is None else 'has a'} {part}, but the "
+                f"configuration's model {'has one' if mine is None else 'has none'}: "
+                "evaluate the model with the configuration it was built from."
+            )
+        if mine is None:
+            continue
+        leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(mine, eqx.is_array))
+        expected = jax.tree_util.tree_leaves_with_path(eqx.filter(theirs, eqx.is_array))
+        for (path, a), (_, b) in zip(leaves, expected, strict=False):
+            if a.shape != b.shape:
+                name = f"{part}{jax.tree_util.keystr(path)}"
+                raise ValueError(
+                    f"the model does not fit the configuration: {name} has shape "
+                    f"{a.shape}, the configuration's model {b.shape} (the vocabulary, context, "
+                    "width or classes differ); evaluate the model with the configuration it was "
+                    "built from."
+                )
+
+
 def evaluate(config: Config, model, task=None) -> dict:
     """Validation metrics of ``model`` on the validation split of ``config``'s task.
 
@@ -182,6 +212,7 @@ def evaluate(config: Config, model, task=None) -> dict:
     """
     started = time.perf_counter()
     exp = build(config, task, record_source=False)  # its objective and task; model given
+    _check_model_fits(model, exp.model)
     task = exp.task
     tc = config.task
     batches = [

@@ -5,6 +5,7 @@ from typing import Literal, get_args
 
 import diffrax
 import equinox as eqx
+import numpy as np
 
 from ..splitting import AbstractSplittingSolver, Lie
 from ._depth import AbstractDepthParallel
@@ -71,7 +72,9 @@ class Discretisation(eqx.Module):
         self.stepper = Lie() if stepper is None else stepper
         self.gradient = DiscretiseThenOptimise() if gradient is None else gradient
         self.depth_parallel = depth_parallel
-        self.steps_per_layer = steps_per_layer
+        self.steps_per_layer = (
+            int(steps_per_layer) if isinstance(steps_per_layer, np.integer) else steps_per_layer
+        )
         self.stepsize = stepsize
         self.rtol = rtol
         self.atol = atol
@@ -97,6 +100,8 @@ class Discretisation(eqx.Module):
                 f"(ocformer.integration.Parareal(), ...), got {type(self.depth_parallel).__name__}."
             )
         check_steps_per_layer(self.steps_per_layer)
+        if not isinstance(self.jump_ts, bool):
+            raise ValueError(f"Discretisation.jump_ts must be True or False, got {self.jump_ts!r}.")
         if self.stepsize not in STEPSIZES:
             raise ValueError(
                 f"stepsize must be one of {', '.join(map(repr, STEPSIZES))}, got {self.stepsize!r}."

@@ -33,6 +33,8 @@ def check_steps_per_layer(steps_per_layer) -> int:
         ValueError: naming the value received.
     """
     m = steps_per_layer
+    if isinstance(m, np.integer):  # from np.arange, a sweep's grid
+        m = int(m)
     if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
         raise ValueError(f"steps_per_layer must be a positive integer, got {m!r}.")
     return m

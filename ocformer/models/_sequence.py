@@ -158,7 +158,14 @@ class SequenceModel(eqx.Module):
                 "generate needs causal attention (the transformer built with causal=True); "
                 "otherwise later tokens change the logits of earlier ones."
             )
-        prompt = np.asarray(prompt_tokens, dtype=np.int32)
+        prompt = np.asarray(prompt_tokens)
+        if prompt.size and not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(
+                f"generate takes integer symbol ids as its prompt, got {prompt.dtype} "
+                f"({prompt.reshape(-1)[:3].tolist()}...); encode text with the task's "
+                "tokenizer first."
+            )
+        prompt = prompt.astype(np.int32)
         if prompt.ndim > 1:
             raise ValueError(
                 f"generate continues one prompt, 1-D symbol ids, got shape {prompt.shape}; "
@@ -173,8 +180,9 @@ class SequenceModel(eqx.Module):
                 f"the prompt holds ids outside the vocabulary 0..{vocab - 1}: "
                 f"{sorted({int(i) for i in prompt if not 0 <= i < vocab})[:5]}."
             )
-        if not (isinstance(num_new, int) and num_new >= 0):
+        if isinstance(num_new, bool) or not isinstance(num_new, int | np.integer) or num_new < 0:
             raise ValueError(f"num_new must be an integer >= 0, got {num_new!r}.")
+        num_new = int(num_new)
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature!r}.")
         if num_new == 0:

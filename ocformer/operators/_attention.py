@@ -70,6 +70,8 @@ class Attention(eqx.Module):
             raise ValueError(
                 f"Attention.num_heads must be a positive integer, got {self.num_heads!r}."
             )
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"Attention.causal must be True or False, got {self.causal!r}.")
         if self.kernel not in ATTENTION_KERNELS:
             raise ValueError(
                 f"Attention.kernel must be one of {ATTENTION_KERNELS}, got {self.kernel!r}."
