@@ -14,6 +14,7 @@ SIGTERM (checkpoint written).
 """
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
     except KeyboardInterrupt:
         _exit_at_once_on_interrupt()
+        # A save the interrupt cut short is left uncommitted (the next run removes it);
+        # orbax's background threads, finding their executor shut down, would log
+        # tracebacks of it while the interpreter ends.
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
         return fail(_PROGRAM, 130, "interrupted")
     return ExitCode.OK
 

@@ -495,6 +495,26 @@ def test_slurms_warning_signal_asks_the_run_to_stop_like_sigterm():
     assert signal.getsignal(signal.SIGUSR2) == before
 
 
+def test_a_ctrl_c_during_a_checkpoint_save_comes_at_its_end(monkeypatch):
+    """An interrupt inside orbax's save would leave its threads and event loops broken
+    (tracebacks after the run's last line, an uncommitted save): the loop holds a
+    Ctrl-C that comes during a save until the save has finished."""
+    import signal
+
+    from ocformer.training import _preempt
+
+    monkeypatch.setattr(_preempt, "_exit_on_second_interrupt", False)
+    finished = []
+    with _preempt.PreemptionGuard(60.0) as guard:
+        with pytest.raises(KeyboardInterrupt):
+            with guard.holding_interrupts():
+                signal.raise_signal(signal.SIGINT)
+                finished.append("the save")  # not cut short
+        assert finished == ["the save"]
+        with pytest.raises(KeyboardInterrupt):  # outside a save, at once
+            signal.raise_signal(signal.SIGINT)
+
+
 def test_a_library_caller_survives_a_second_interrupt(monkeypatch):
     """In a notebook a second interrupt while the run stops raises KeyboardInterrupt
     again (the kernel lives on); only the command line makes it end the process."""
@@ -503,9 +523,11 @@ def test_a_library_caller_survives_a_second_interrupt(monkeypatch):
     from ocformer.training import _preempt
 
     monkeypatch.setattr(_preempt, "_exit_on_second_interrupt", False)
+    # Python's own handler, or SIG_IGN where the suite was started in the background.
+    before = signal.getsignal(signal.SIGINT)
     with _preempt.PreemptionGuard(60.0) as guard:
         assert signal.getsignal(signal.SIGINT) == guard._interrupt
         for _ in range(2):
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) == before

@@ -577,7 +577,8 @@ class _Loop:
             self._log(biased, evaluated)
         self.bar.update(1)
         if saving:
-            self._save()
+            with guard.holding_interrupts():
+                self._save()
         if stopping:
             raise Preempted(step, self.directory.checkpoint)
 

@@ -1,11 +1,13 @@
 """SIGTERM as a request to checkpoint at the next step boundary and stop; a signal
 while the run is stopping as a request to exit at once."""
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 from ._errors import ExitCode
 
@@ -38,7 +40,8 @@ class PreemptionGuard:
     ``ExitCode.PREEMPTED`` anyway: an unfinished save has no commit marker and is never
     restored, so the previous checkpoint stays the resume point.
 
-    SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` as usual; once the run is stopping
+    SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` as usual (in a checkpoint save, at its
+    end: ``holding_interrupts``); once the run is stopping
     after SIGTERM, a SIGINT exits at once (``exit_at_once``) instead of interrupting the
     checkpoint with a traceback, and so does a second SIGINT after a first one when
     ``exit_on_second_interrupt`` was called (the command line does).
@@ -50,6 +53,8 @@ class PreemptionGuard:
         self.grace_s = grace_s
         self.requested_at: float | None = None
         self.interrupted = False
+        self._holding = False  # in a block that defers a Ctrl-C (holding_interrupts)
+        self._held = False  # a Ctrl-C came in such a block
         self._previous: dict | None = None
         self._previous_interrupt = None
         self._timer: threading.Timer | None = None
@@ -72,7 +77,25 @@ class PreemptionGuard:
         if self.requested or (self.interrupted and _exit_on_second_interrupt):
             exit_at_once()
         self.interrupted = True
+        if self._holding:
+            self._held = True
+            return
         raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def holding_interrupts(self) -> Iterator[None]:
+        """Defer a Ctrl-C that comes during the block (a checkpoint save: an interrupt
+        inside it would leave orbax's threads and event loops broken, to fail later
+        with tracebacks of their own) to the block's end, where ``KeyboardInterrupt``
+        is raised; a second one exits at once as at any other time."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self._held:
+            self._held = False
+            raise KeyboardInterrupt
 
     def _expire(self):
         sys.stderr.write(
