@@ -174,6 +174,8 @@ BAD_CONFIGS = [
     (["optimiser.b2=1.0"], "optimiser.b2", "< 1"),
     (["model.width=30", "model.num_heads=4"], "model.num_heads", "must divide model.width=30"),
     (["discretisation.stepper=verlet"], "discretisation.stepper", "allowed: 'lie'"),
+    (["foo.bar=1"], "foo.bar", "unknown section foo; allowed: model"),
+    (["train.qqqqqqqq=1"], "train.qqqqqqqq", "unknown field train.qqqqqqqq; allowed: train.steps"),
     (["discretisation.stepper=tsit"], "discretisation.stepper", "did you mean 'tsit5'"),
     (["discretisation.sub_solver=rk4"], "discretisation.sub_solver", "'midpoint'"),
     (["task.name=imagenet"], "task.name", "allowed: 'shakespeare_char'"),

@@ -636,6 +636,20 @@ def test_rows_lost_before_the_checkpoint_are_reported(reference, tmp_path, capsy
     err = capsys.readouterr().err
     assert f"ends at step 5 but the restored checkpoint is step {STEPS}" in err
     assert f"steps 6..{STEPS} are missing" in err
+    assert "has no records of steps" not in err  # the cut end is said once
+
+
+def test_rows_lost_inside_the_log_are_reported(reference, tmp_path, capsys):
+    """Rows removed from the middle of the log (steps 2 and 3 of a run that logs every
+    step): the resumed run names them, though the file ends at the checkpoint."""
+    workdir = copy_of(reference, tmp_path)
+    path = workdir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:1] + lines[3:]))
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 0
+    err = capsys.readouterr().err
+    assert "has no records of steps 2..3, which the run logged (at least every 1 steps" in err
 
 
 def test_summary_json_is_the_last_finished_run_and_where_its_time_went(

@@ -58,7 +58,7 @@ def check_keys(dotted: str) -> dataclasses.Field | None:
     section = parts[0]
     if section not in SECTIONS:
         near = difflib.get_close_matches(section, SECTIONS, n=1)
-        hint = f"; did you mean {near[0]}?" if near else ""
+        hint = f"; did you mean {near[0]}?" if near else ";"
         raise ConfigError(
             dotted,
             f"unknown section {section}{hint} allowed: {', '.join(SECTIONS)}",
@@ -69,7 +69,7 @@ def check_keys(dotted: str) -> dataclasses.Field | None:
     if parts[1] not in fields:
         allowed = _allowed_fields(section)
         near = difflib.get_close_matches(dotted, allowed, n=1)
-        hint = f"; did you mean {near[0]}?" if near else ""
+        hint = f"; did you mean {near[0]}?" if near else ";"
         raise ConfigError(dotted, f"unknown field {dotted}{hint} allowed: {', '.join(allowed)}")
     return fields[parts[1]]
 

@@ -500,6 +500,18 @@ class RunDirectory:
             ) from None
         remove_stale_temporaries(self.path)
 
+    def _largest_log_every(self, config: Config) -> int:
+        """The largest ``train.log_every`` of the run: now, or before an allowed change."""
+        every = config.train.log_every
+        with (
+            contextlib.suppress(OSError, ValueError, TypeError, AttributeError),
+            open(self.history_path, encoding="utf-8") as f,
+        ):
+            for line in f:
+                previous = json.loads(line).get("previous") or {}
+                every = max(every, int(previous.get("train", {}).get("log_every", 1)))
+        return every
+
     def _continue_logs(self, config: Config, step: int | None) -> None:
         for warning in self.metrics.repair(step or 0):
             _warn(warning)
@@ -510,6 +522,18 @@ class RunDirectory:
                 f"{self.metrics.path} ends at step {last} but the restored checkpoint is "
                 f"step {step}: the records of steps {last + 1}..{step} are missing from the "
                 "file and cannot be recovered"
+            )
+        # Rows removed inside the file: a run logs at least every log_every steps (the
+        # largest it has had, across allowed configuration changes).
+        every = self._largest_log_every(config)
+        steps = [0, *(r["step"] for r in records)]
+        gaps = [(a + 1, b - 1) for a, b in zip(steps, steps[1:]) if b - a > every]
+        if gaps:
+            named = ", ".join(f"{a}..{b}" for a, b in gaps[:3]) + (", ..." if len(gaps) > 3 else "")
+            _warn(
+                f"{self.metrics.path} has no records of steps {named}, which the run "
+                f"logged (at least every {every} steps, train.log_every): they are missing "
+                "from the file and cannot be recovered"
             )
         rewind_samples(self.samples_path, step or 0)
         has_events = os.path.isdir(self.tb_path) and bool(os.listdir(self.tb_path))
