@@ -22,23 +22,21 @@ def output_file(path: str) -> str:
     return path
 
 
+def _positive(text: str, kind: type, a_value: str, a_positive_value: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {a_value}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not {a_positive_value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A count >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
+    return _positive(text, int, "an integer", "a positive integer")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite positive number")
-    return value
+    return _positive(text, float, "a number", "a finite positive number")

@@ -47,6 +47,16 @@ BASE = [
 ]
 
 
+def _start_each(commands, env) -> list[subprocess.Popen]:
+    """One process per command, their output piped (text)."""
+    return [
+        subprocess.Popen(
+            c, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for c in commands
+    ]
+
+
 def _alive(pid: int) -> bool:
     """Whether process ``pid`` runs (an orphan that ended may stay a zombie)."""
     try:
@@ -225,28 +235,14 @@ def test_a_work_directory_that_the_processes_do_not_share_is_refused_by_all(env,
     save; nothing of the check is left behind."""
     address = f"127.0.0.1:{_free_port()}"
     quick = {**env, "OCFORMER_DISTRIBUTED_TIMEOUT_S": "20"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ocformer.train",
-                *_train_command(tmp_path / f"run{i}"),
-                "--coordinator",
-                address,
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ],
-            env=quick,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
+    procs = _start_each(
+        [
+            [sys.executable, "-m", "ocformer.train", *_train_command(tmp_path / f"run{i}"),
+             "--coordinator", address, "--num-processes", "2", "--process-id", str(i)]
+            for i in range(2)
+        ],
+        quick,
+    )  # fmt: skip
     errs = [p.communicate(timeout=600)[1] for p in procs]
     assert [p.returncode for p in procs] == [2, 2], [e[-3000:] for e in errs]
     for i, err in enumerate(errs):
@@ -437,17 +433,10 @@ def test_each_process_makes_only_its_rows_of_the_global_batch(env, prepared):
     assert got["tasks"]["copy_whole"]["whole"] == 3 and got["tasks"]["copy_whole"]["equal"]
 
     address = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _ROWS, SMOKE, prepared, "2", str(i), address],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in range(2)
-    ]
+    procs = _start_each(
+        [[sys.executable, "-c", _ROWS, SMOKE, prepared, "2", str(i), address] for i in range(2)],
+        env,
+    )
     outs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outs]
     for i, (out, _) in enumerate(outs):
@@ -483,6 +472,21 @@ def _launch(env, workdir, *overrides, grace=5):
          str(grace), "--", *_train_command(workdir, *overrides)],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def _wait_for_records(launcher, workdir, n: int):
+    """Wait until the run in ``workdir`` has logged ``n`` records (failing the test if
+    it ends first); returns the path of its metrics file."""
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 1200
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            break
+        time.sleep(0.05)
+    if launcher.poll() is not None:
+        out, err = launcher.communicate()
+        pytest.fail(f"the run ended before the signal:\n{out[-3000:]}\n{err[-5000:]}")
+    return metrics
 
 
 def _losses(workdir) -> dict[int, float]:
@@ -569,15 +573,7 @@ def test_two_processes_agree_to_stop_at_a_checked_step(env, tmp_path):
         env, workdir, "train.steps=100000", "train.checkpoint_every=100000",
         "train.eval_every=100000", f"train.stop_check_every={every}",
     )  # fmt: skip
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.monotonic() + 1200
-    while time.monotonic() < deadline and launcher.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break
-        time.sleep(0.05)
-    if launcher.poll() is not None:
-        out, err = launcher.communicate()
-        pytest.fail(f"the run ended before the signal:\n{out[-3000:]}\n{err[-5000:]}")
+    metrics = _wait_for_records(launcher, workdir, 5)
     signalled_after = len(metrics.read_text().splitlines())
     launcher.send_signal(signal.SIGTERM)
     out, err = launcher.communicate(timeout=600)
@@ -626,15 +622,7 @@ def test_a_stopped_launcher_leaves_a_checkpoint_and_no_process(env, tmp_path, ho
     )  # fmt: skip
     pids = [int(p) for p in re.findall(r"\d+", launcher.stderr.readline().split("pids")[-1])]
     assert len(pids) == 2, pids
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline and launcher.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.05)
-    if launcher.poll() is not None:
-        out, err = launcher.communicate()
-        pytest.fail(f"the run ended before the signal:\n{out[-3000:]}\n{err[-5000:]}")
+    _wait_for_records(launcher, workdir, 3)
     for pid in pids:  # its own group, not the launcher's
         assert os.getpgid(pid) == pid != os.getpgid(launcher.pid)
     if how == "ctrl-c":
