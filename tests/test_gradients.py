@@ -191,7 +191,15 @@ def test_exact_methods_match_finite_differences(method):
         assert abs(g - directional_fd(OBJECTIVE, model, BATCH, unit)) <= 1e-6 * max(abs(g), 1e-3)
 
 
-@pytest.mark.parametrize("method", ["direct", "stored", "stored_dots", "stored_projections"])
+@pytest.mark.parametrize(
+    "method",
+    [
+        pytest.param("direct", marks=pytest.mark.slow),
+        pytest.param("stored", marks=pytest.mark.slow),
+        pytest.param("stored_dots", marks=pytest.mark.slow),
+        "stored_projections",
+    ],
+)
 def test_hessian_vector_products_match_finite_differences_of_the_gradient(method):
     """Reverse over reverse (a Hessian-vector product) and forward mode work through
     ``Direct`` and the stored methods: the HVP equals the central difference of the
