@@ -166,6 +166,8 @@ def test_operator_options_out_of_range():
 
     with pytest.raises(ValueError, match=r"jump_ts must be True or False, got 'False'"):
         Discretisation(diffrax.Tsit5(), stepsize="pid", jump_ts="False")
+    with pytest.raises(ValueError, match=r"SemiImplicitEuler solves a partitioned system"):
+        Discretisation(diffrax.SemiImplicitEuler())
 
 
 @pytest.mark.parametrize("steps", [0, -2, 2.0, True, "4"])

@@ -87,6 +87,15 @@ class Discretisation(eqx.Module):
                 f"a diffrax solver, got {type(self.stepper).__name__}. Names become "
                 "objects in ocformer.config (e.g. discretisation.stepper=strang)."
             )
+        if not isinstance(self.stepper, AbstractSplittingSolver) and isinstance(
+            self.stepper.term_structure, tuple
+        ):
+            raise ValueError(
+                f"Discretisation.stepper {type(self.stepper).__name__} solves a "
+                f"partitioned system (terms {self.stepper.term_structure}); the "
+                "Transformer's equation is one vector field (an ODE solver, or for the "
+                "relaxed formulation an IMEX solver such as KenCarp3)."
+            )
         if not isinstance(self.gradient, AbstractGradientMethod):
             raise ValueError(
                 "Discretisation.gradient must be a gradient method (ocformer.integration."
