@@ -234,6 +234,14 @@ def test_token_analyses_refuse_inputs_outside_their_contract():
         token_similarity(adaptive, _u0())
     with pytest.raises(ValueError, match=r"model_lyapunov takes one input u0 of shape \(N, d\)"):
         model_lyapunov(model, jnp.stack([_u0(), _u0()]), 2)
+    # A bfloat16 input, whose state the model carries in float32: named, with the cast.
+    half = _u0().astype(jnp.bfloat16)
+    for analyse in (
+        lambda: costates(model, half, lambda u: jnp.sum(u.astype(jnp.float32))),
+        lambda: model_lyapunov(model, half, 2),
+    ):
+        with pytest.raises(ValueError, match=r"the input is bfloat16.*u0.astype\(jnp.float32\)"):
+            analyse()
 
 
 def test_benettin_exponents_of_a_linear_flow():

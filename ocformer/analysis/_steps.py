@@ -23,6 +23,7 @@ from ..controls import AbstractControl, LayerParams
 from ..dynamics import AbstractSplitTerm, DynamicsArgs, project_onto_set
 from ..integration import bind_solver, time_grid
 from ..models import ContinuousTransformer
+from ..operators import wide_dtype
 from ..splitting import AbstractSplittingSolver, Lie, Strang, inner_solver, with_inner_solver
 
 
@@ -105,6 +106,13 @@ class StepMap(eqx.Module):
     ends: Float[Array, " steps"]
 
     def __init__(self, transformer: ContinuousTransformer, key_mask=None, dtype=jnp.float64):
+        if jnp.dtype(dtype) != wide_dtype(dtype):
+            raise ValueError(
+                f"The step-by-step analyses run in one dtype of float32 or wider (states "
+                f"and controls alike); the input is {jnp.dtype(dtype)}, which a model "
+                "computes with a float32 state. Cast it, u0.astype(jnp.float32), to "
+                "analyse the model's dynamics in float32."
+            )
         if transformer.discretisation.is_adaptive:
             raise ValueError(
                 "The step-by-step analyses need constant steps; the model has "
