@@ -560,6 +560,7 @@ class _Loop:
 
     def _next(self, guard: PreemptionGuard) -> None:
         """One step: the update, then what the step is due for."""
+        guard.check_interrupted()
         tc = self.tc
         batch = self.prefetch.get(self.step)
         self.step += 1

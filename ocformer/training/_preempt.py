@@ -2,6 +2,7 @@
 while the run is stopping as a request to exit at once."""
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -73,14 +74,23 @@ class PreemptionGuard:
         self._timer.start()
 
     def _interrupt(self, signum, frame):
-        del signum, frame
+        del signum
         if self.requested or (self.interrupted and _exit_on_second_interrupt):
             exit_at_once()
         self.interrupted = True
         if self._holding:
             self._held = True
             return
+        if _in_gc_callback(frame):  # Python would print and ignore it there
+            return  # check_interrupted raises it at the next step
         raise KeyboardInterrupt
+
+    def check_interrupted(self) -> None:
+        """Raise ``KeyboardInterrupt`` if a Ctrl-C came that could not raise where it
+        came: inside a garbage-collection callback (jax has one), where Python would
+        print and ignore the exception. The loop asks here at every step."""
+        if self.interrupted:
+            raise KeyboardInterrupt
 
     @contextlib.contextmanager
     def holding_interrupts(self) -> Iterator[None]:
@@ -121,6 +131,17 @@ class PreemptionGuard:
             signal.signal(signal.SIGINT, self._previous_interrupt)
             self._previous = self._previous_interrupt = None
         return False
+
+
+def _in_gc_callback(frame) -> bool:
+    """Whether ``frame`` (where a signal handler was called) runs inside one of the
+    garbage collector's callbacks, where an exception is printed and ignored."""
+    codes = {getattr(c, "__code__", None) for c in gc.callbacks} - {None}
+    while frame is not None and codes:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def exit_at_once(signum=None, frame=None) -> None:
