@@ -116,13 +116,16 @@ def _study_formulation(formulation: str | None, model: ContinuousTransformer | N
     own = model.formulation
     if own == "split":
         own = "pre" if model.norm == "pre" else None
-    if formulation is None and own is not None:
+    what = f"norm={model.norm!r}, formulation={model.formulation!r}"
+    if own is None:
+        raise ValueError(
+            f"the model given ({what}) is of no study formulation: the split one is "
+            "studied pre-LN; reformulate a post-LN model to 'projected' "
+            "(ocformer.models.reformulate), or give study_model(formulation)."
+        )
+    if formulation is None:
         return own
-    fits = own is not None and (
-        formulation == own or (formulation == "relaxed" and own == "projected")
-    )
-    if not fits or formulation is None:
-        what = f"norm={model.norm!r}, formulation={model.formulation!r}"
+    if not (formulation == own or (formulation == "relaxed" and own == "projected")):
         raise ValueError(
             f"formulation={formulation!r} does not describe the model given ({what}): the "
             "study would measure the model's own dynamics under another name. Leave "

@@ -166,11 +166,12 @@ def launch_local(
         if p.stdout is not None:
             p.stdout.close()
     if stop.signum == signal.SIGINT:
-        if stop.killed:
-            _say("interrupted again: the processes were killed; the newest committed "
-                 "checkpoint is the resume point")  # fmt: skip
-        else:
+        if code == 143:
             _say("interrupted: the processes checkpointed; rerun the command to resume")
+        else:
+            how = "were killed" if stop.killed else f"ended with code {code}"
+            _say(f"interrupted: the processes {how}; the newest committed checkpoint is the "
+                 "resume point")  # fmt: skip
         return 130
     return code
 

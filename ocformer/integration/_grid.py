@@ -43,7 +43,7 @@ def check_steps_per_layer(steps_per_layer) -> int:
 def time_grid(control: AbstractControl, steps_per_layer: int, dtype):
     """The step grid: ``steps_per_layer`` equal steps per piece of the layer grid, in
     ``time_dtype(dtype)`` for a state of ``dtype`` (at least float32)."""
-    check_steps_per_layer(steps_per_layer)
+    steps_per_layer = check_steps_per_layer(steps_per_layer)
     t0, t1 = control.interval
     num_steps = control.num_layers * steps_per_layer
     return jnp.linspace(t0, t1, num_steps + 1, dtype=time_dtype(dtype)), num_steps
