@@ -9,8 +9,8 @@ Each ``notebooks/<name>.py`` runs in a fresh ``python3`` kernel with the noteboo
 as its working directory; a cell error stops with a non-zero exit status and leaves the
 committed .ipynb untouched. Only full-size runs rewrite the committed notebooks: at the
 small size (``OCFORMER_NOTEBOOK_SMALL=1``) the .ipynb files go to ``--out`` (default: a
-new temporary folder, printed), so that a quick check never replaces the committed
-outputs with small ones.
+new temporary folder, printed; never the notebooks folder itself), so that a quick
+check never replaces the committed outputs with small ones.
 
 At full size the numbers each code cell prints (its stdout and the text of its results;
 not stderr, not figures) are compared with the committed .ipynb's before it is replaced,
@@ -207,6 +207,11 @@ def main(argv: list[str]) -> int:
         out = Path(args.out)
         if not out.is_dir():
             print(f"error: --out {out} is not a folder; create it first", file=sys.stderr)
+            return 2
+        if _small() and out.resolve() == HERE.resolve():
+            print(f"error: --out {out} is the notebooks folder, whose committed outputs "
+                  f"are full-size; small runs (OCFORMER_NOTEBOOK_SMALL=1) go to another "
+                  f"folder: drop --out or name a different one", file=sys.stderr)  # fmt: skip
             return 2
     elif _small():
         out = Path(tempfile.mkdtemp(prefix="ocformer-notebooks-"))

@@ -663,6 +663,8 @@ def test_small_notebook_runs_never_rewrite_the_committed_notebooks(tmp_path, mon
     monkeypatch.setenv("OCFORMER_NOTEBOOK_SMALL", "1")
     assert execute.main(["tiny"]) == 0
     assert not (folder / "tiny.ipynb").exists()
+    assert execute.main(["--out", str(folder), "tiny"]) == 2  # nor when named as --out
+    assert not (folder / "tiny.ipynb").exists()
     [small] = tmp_path.glob("ocformer-notebooks-*/tiny.ipynb")
     assert printed(small) == "42\n"
     monkeypatch.delenv("OCFORMER_NOTEBOOK_SMALL")
