@@ -200,6 +200,27 @@ def test_patch_embedding_matches_a_loop(rng):
                 )
 
 
+def test_token_ids_outside_the_table_raise_or_give_nan_never_another_row():
+    """Plain indexing clamps id V to V - 1 and wraps -1 to the last row: the model would
+    read another symbol's embedding. Concrete ids raise; traced ones give NaN rows."""
+    import equinox as eqx
+    import jax
+
+    emb = TokenEmbedding(5, 4, 3, key=jr.key(0), dtype=jnp.float64)
+    table = np.asarray(emb.tokens)
+    for bad in ([[0, 5]], [[-1, 2]]):
+        with pytest.raises(ValueError, match=r"symbol ids must lie in \[0, 5\)"):
+            emb(jnp.asarray(bad))
+    out = np.asarray(eqx.filter_jit(lambda e, i: e(i))(emb, jnp.asarray([[0, 5, -1, 4]])))
+    pos = np.asarray(emb.positions)
+    assert np.array_equal(out[0, 0], table[0] + pos[0])
+    assert np.array_equal(out[0, 3], table[4] + pos[3])
+    assert np.isnan(out[0, 1:3]).all()
+    grad = jax.grad(lambda e: e(jnp.asarray([[0, 1]])).sum())(emb)  # gradients reach rows
+    assert np.array_equal(np.asarray(grad.tokens)[:2], np.ones((2, 3)))
+    assert not np.asarray(grad.tokens)[2:].any()
+
+
 def _lm(seq_len=6, vocab=5, d=4):
     k = jr.split(jr.key(0), 3)
     control = PiecewiseConstant(init_stacked_params(k[0], 2, d, 8, dtype=jnp.float64))

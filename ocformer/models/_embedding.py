@@ -10,14 +10,32 @@ import math
 from typing import Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ..controls import NormParams
 from ..operators import LayerNormProjection, constant_in_x
 
 Pooling = Literal["none", "cls"]
+
+
+def _rows(table: Float[Array, "V d"], ids: Int[Array, "..."], what: str) -> Float[Array, "... d"]:
+    """``table[ids]``, for ids in [0, V) only: concrete ids outside it raise, and traced
+    ones (under ``jit``, where no error can be raised) give NaN rows, which the training
+    loop's finiteness guard catches, rather than the clamped or wrapped rows of another
+    symbol that plain indexing gives."""
+    rows = table.shape[0]
+    if not isinstance(ids, jax.core.Tracer):
+        values = np.asarray(ids)
+        if values.size and (values.min() < 0 or values.max() >= rows):
+            raise ValueError(
+                f"{what} must lie in [0, {rows}), got range [{values.min()}, {values.max()}]; "
+                f"map the ids into the table's range (or build the model with a larger one)."
+            )
+    return table.at[ids].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
 
 
 class AbstractEmbedding(eqx.Module):
@@ -76,7 +94,7 @@ class TokenEmbedding(AbstractEmbedding):
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError(f"TokenEmbedding takes integer symbol ids, got {inputs.dtype}.")
         n = inputs.shape[1]
-        return self.tokens[inputs] + self.positions[None, :n]
+        return _rows(self.tokens, inputs, "symbol ids") + self.positions[None, :n]
 
 
 class TokenTypeEmbedding(AbstractEmbedding):
@@ -131,7 +149,11 @@ class TokenTypeEmbedding(AbstractEmbedding):
                 f"{token_type_ids.shape}."
             )
         n = inputs.shape[1]
-        f = self.tokens[inputs] + self.positions[None, :n] + self.token_types[token_type_ids]
+        f = (
+            _rows(self.tokens, inputs, "symbol ids")
+            + self.positions[None, :n]
+            + _rows(self.token_types, token_type_ids, "token_type_ids")
+        )
         return LayerNormProjection(eps=self.eps)(self.norm, f)
 
 
