@@ -20,6 +20,18 @@ _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float
 # multiple of 8 up to 128.
 _CUDNN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 AttentionKernel = Literal["xla", "cudnn"]
+
+
+def _library_kernel_takes(dtype) -> bool:
+    """Whether jax.nn.dot_product_attention computes this state's attention. Not in
+    float64 (above), and not in float16 on CPU, whose XLA backend has no float16 x
+    float16 -> float32 product ("precision 'F16_F16_F32' is not supported by dot_general
+    on CPU"); the integral form computes the same operator there."""
+    if dtype == np.float16 and jax.default_backend() == "cpu":
+        return False
+    return dtype in _FUSED_DTYPES
+
+
 ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 
 
@@ -96,7 +108,7 @@ class Attention(eqx.Module):
                 f"key_mask has shape {key_mask.shape}, expected {(*batch, n)} "
                 "(the batch axes and the token axis of the state)."
             )
-        if h_x == 1.0 and h_y == 1.0 and u.dtype in _FUSED_DTYPES:
+        if h_x == 1.0 and h_y == 1.0 and _library_kernel_takes(u.dtype):
             # Unit spacings: the quadratures are plain sums and the score scale is
             # 1/sqrt(dh), which is standard scaled dot-product attention, so the library
             # kernel (fused on accelerators) computes the same operator. Otherwise, and
