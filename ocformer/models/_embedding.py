@@ -11,6 +11,7 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
