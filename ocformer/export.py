@@ -11,7 +11,7 @@ refused, naming the fields that differ. Only a model that started from a checkpo
 
 A destination that holds files ocformer did not write is refused unless ``--overwrite``
 (which replaces it whole); the checkpoint the run started from and the work directory
-itself are refused always.
+itself, and any folder inside or above either, are refused always.
 
 Exit codes: 0 written, 2 refused (bad work directory, step, discretisation or
 destination; nothing written), 1 unexpected error.
@@ -67,8 +67,9 @@ def export(
 
     Raises:
         ConfigError: the run is not in the standard discretisation (the fields named),
-            did not start from a checkpoint, or ``to`` is the checkpoint it started from
-            (which resuming the run reads), the run itself, or a file.
+            did not start from a checkpoint, or ``to`` is, lies inside or holds the
+            checkpoint it started from (which resuming the run reads) or the run
+            itself, or is a file.
         WorkdirError: not a work directory, or no such checkpoint.
         FileExistsError: ``to`` is a directory that ocformer did not write and is not
             empty, and ``overwrite`` is off. Nothing is written in any of these cases.
@@ -102,13 +103,32 @@ def export(
          "which resuming it reads"),
         (os.path.abspath(workdir), "the run's own work directory"),
     ]:  # fmt: skip
-        if other is not None and os.path.realpath(other) == os.path.realpath(path):
-            raise ConfigError("--to", f"{path} is {what}; write the export elsewhere")
+        if other is None:
+            continue
+        relation = _nesting(os.path.realpath(path), os.path.realpath(other))
+        if relation is not None:
+            raise ConfigError(
+                "--to",
+                f"{path} {relation} {what}, which writing the export (it replaces --to "
+                "whole) would destroy; write the export elsewhere",
+            )
     try:
         to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
     except ValueError as e:
         raise ConfigError("--to", str(e)) from None
     return path
+
+
+def _nesting(path: str, protected: str) -> str | None:
+    """How ``path`` lies to ``protected`` ("is", "is inside" or "holds"), or None when
+    neither lies within the other."""
+    if path == protected:
+        return "is"
+    if os.path.commonpath([path, protected]) == protected:
+        return "is inside"
+    if os.path.commonpath([path, protected]) == path:
+        return "holds"
+    return None
 
 
 def _started_from(workdir: str) -> str | None:

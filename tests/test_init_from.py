@@ -22,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from ocformer import export as export_cli, train as train_cli
 from ocformer.config import ConfigError, is_set, resolve
-from ocformer.evaluation import evaluate
+from ocformer.evaluation import evaluate, evaluate_run
 from ocformer.training import _init_from, build, load_run
 from ocformer.training._init_from import architecture
 
@@ -253,6 +253,12 @@ def test_finetune_export_and_load_in_transformers(experiment, gpt2, tmp_path, ca
     assert export_cli.main([str(run), "--to", str(path), "--overwrite"]) == 2
     assert "is the checkpoint this run started from" in capsys.readouterr().err
     assert sorted(os.listdir(path)) == before
+    # Nor a folder inside the run or above it: the export replaces --to whole.
+    steps = sorted(os.listdir(run / "checkpoints"))
+    for inside, word in [(run / "checkpoints", "is inside"), (tmp_path, "holds")]:
+        assert export_cli.main([str(run), "--to", str(inside), "--overwrite"]) == 2
+        assert f"{word} the run's own work directory" in capsys.readouterr().err
+    assert sorted(os.listdir(run / "checkpoints")) == steps
     # Step 1 of the run as a start: its arrays, and the record names that step.
     exp = build(config(experiment, f"model.init_from={run}@1"))
     _, at_1 = load_run(run, 1)
@@ -274,6 +280,8 @@ def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
     sets = [f"model.init_from={source}", "train.checkpoint_every=1", "train.steps=1"]
     _train(experiment, run, *sets)
     first = json.loads((run / "run.json").read_text())["init_from"]
+    child = tmp_path / "child"  # a run that started from this one
+    _train(experiment, child, f"model.init_from={run}@1", "train.steps=1")
     assert first["path"] == str(source) and len(first["sha256"]) == 1
 
     def no_hashing(path):
@@ -297,6 +305,13 @@ def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
     # So do the readers of the run (evaluate, export), which read the source alike.
     with pytest.raises(ConfigError, match=f"{run} takes its parameters from its own checkpoint"):
         load_run(run)
+    # ... and a run that started from it, two starts down the chain: the message says
+    # which start is gone, not that the version cannot rebuild the run.
+    with pytest.raises(ConfigError) as caught:
+        load_run(child)
+    assert "it started from another checkpoint, which rebuilding it reads" in str(caught.value)
+    assert f"{source} does not exist" in str(caught.value)
+    assert "version" not in str(caught.value)
 
 
 def test_the_export_refuses_every_discretisation_but_the_layer_stack(experiment):
@@ -329,3 +344,21 @@ def test_strang_rediscretisation_trains_and_is_not_exported(experiment, gpt2, tm
     assert "discretisation.stepper='strang'" in err and "discretisation.steps_per_layer=2" in err
     assert "only the standard discretisation" in err.lower()
     assert not os.path.exists(tmp_path / "out")
+    # Continued in the standard discretisation: each checkpoint keeps the one that
+    # trained it, so step 1 is still refused (and loads as Strang), step 2 exported.
+    sets = [*QUIET, f"model.init_from={gpt2[0]}", "train.steps=2"]
+    argv = ["--config", experiment, "--workdir", str(run), "--allow-config-change"]
+    assert train_cli.main([*argv, *(a for s in sets for a in ("--set", s))]) == 0
+    assert load_run(run)[0].discretisation.stepper == "lie"
+    trained, _ = load_run(run, 1)
+    assert trained.discretisation.stepper == "strang"
+    assert trained.discretisation.steps_per_layer == 2
+    capsys.readouterr()
+    assert export_cli.main([str(run), "--to", str(tmp_path / "out"), "--step", "1"]) == 2
+    assert "discretisation.stepper='strang'" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
+    assert export_cli.main([str(run), "--to", str(tmp_path / "out"), "--step", "2"]) == 0
+    # evaluate's "as trained" is the checkpoint's discretisation too.
+    at_1 = evaluate_run(str(run), step=1)
+    assert at_1["step"] == 1 and at_1["discretisation"]["discretisation.stepper"] == "strang"
+    assert at_1["discretisation"]["discretisation.steps_per_layer"] == 2

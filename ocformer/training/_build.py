@@ -230,10 +230,11 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
         except WorkdirError as e:
             raise ConfigError("model.init_from", str(e)) from None
         except ConfigError as e:  # the source's configuration, not this run's
-            raise ConfigError(
-                "model.init_from",
-                f"{source.path}/config.json cannot be rebuilt by this version of ocformer: {e}",
-            ) from None
+            if e.field == "model.init_from":  # the source's own start is gone or changed
+                why = f"it started from another checkpoint, which rebuilding it reads: {e}"
+            else:
+                why = f"its configuration cannot be rebuilt by this version of ocformer: {e}"
+            raise ConfigError("model.init_from", f"the run in {source.path}: {why}") from None
         files = [
             os.path.join(root, name) for root, _, names in os.walk(checkpoint) for name in names
         ]
@@ -248,6 +249,9 @@ def restore_run(
 ) -> tuple[Config, SequenceModel, int, str]:
     """The configuration and model of an ocformer work directory at a committed
     checkpoint (the newest, or ``step``), that step, and the checkpoint's directory.
+    The configuration is the one that wrote that checkpoint (recorded in it): after a
+    resume with ``--allow-config-change`` an earlier checkpoint's differs from
+    ``config.json``, which is the newest.
 
     Raises:
         WorkdirError: not an ocformer work directory, no configuration, or no committed
@@ -270,23 +274,54 @@ def restore_run(
             f"{changed[1]}): it was prepared again since. Put back the dataset the run "
             "trained on to load the run"
         )
-    # The model is a template: the checkpoint replaces its parameters.
-    exp = build_from_own_checkpoint(config, path)
-    # The checkpoint's arrays in the order training writes them: the model's, the
-    # optimiser state, the random key, the step and the skipped-update count.
-    params = eqx.filter(exp.model, eqx.is_array)
-    template = (
-        params,
-        exp.init_state(exp.model),
-        np.asarray(jr.key_data(jr.key(0))),
-        np.asarray(0, np.int64),
-        np.asarray(0, np.int64),
-    )
+    built: dict[str, Any] = {}
+
+    def template_for(checkpoints: CheckpointManager, chosen: int):
+        # The configuration that wrote the checkpoint: a run resumed with
+        # --allow-config-change (another discretisation, say) holds checkpoints of
+        # both, and config.json is only the newest's.
+        trained = _checkpoint_config(checkpoints, chosen, config)
+        if built.get("config") != trained:
+            # The model is a template: the checkpoint replaces its parameters.
+            built["config"] = trained
+            built["exp"] = build_from_own_checkpoint(trained, path)
+        exp = built["exp"]
+        # The checkpoint's arrays in the order training writes them: the model's, the
+        # optimiser state, the random key, the step and the skipped-update count.
+        return (
+            eqx.filter(exp.model, eqx.is_array),
+            exp.init_state(exp.model),
+            np.asarray(jr.key_data(jr.key(0))),
+            np.asarray(0, np.int64),
+            np.asarray(0, np.int64),
+        )
+
     with CheckpointManager(os.path.join(path, "checkpoints")) as checkpoints:
-        tree, chosen = _restore_despite_rotation(checkpoints, step, template, path)
+        tree, chosen = _restore_despite_rotation(checkpoints, step, template_for, path)
         directory = checkpoints.path(chosen)
-    model = eqx.combine(jax.tree.map(jnp.asarray, tree[0]), exp.model)
-    return config, model, chosen, directory
+    model = eqx.combine(jax.tree.map(jnp.asarray, tree[0]), built["exp"].model)
+    return built["config"], model, chosen, directory
+
+
+def _checkpoint_config(checkpoints: CheckpointManager, step: int, stored: Config) -> Config:
+    """The configuration recorded in checkpoint ``step``'s commit marker (``stored``, the
+    run's config.json, for a checkpoint that records none).
+
+    Raises:
+        CheckpointError: the marker cannot be read.
+        ConfigError: the recorded configuration is not valid for this version.
+    """
+    recorded = checkpoints.read_marker(step).get("metadata", {}).get("config")
+    if recorded is None:
+        return stored
+    try:
+        return validate(from_dict(recorded))
+    except ConfigError as e:
+        raise ConfigError(
+            e.field,
+            f"the configuration recorded in checkpoint {checkpoints.path(step)} is not "
+            f"valid for this version of ocformer: {e}",
+        ) from None
 
 
 # How often a reader picks the newest checkpoint again after the running training
@@ -294,8 +329,9 @@ def restore_run(
 ROTATION_RETRIES = 5
 
 
-def _restore_despite_rotation(checkpoints: CheckpointManager, step, template, path: str):
-    """``(tree, step)`` of checkpoint ``step`` (None: the newest), read while a training
+def _restore_despite_rotation(checkpoints: CheckpointManager, step, template_for, path: str):
+    """``(tree, step)`` of checkpoint ``step`` (None: the newest; its template from
+    ``template_for(checkpoints, step)``), read while a training
     run may be writing new checkpoints and deleting old ones: a checkpoint that
     disappears while it is read was rotated away, not corrupted, so the newest is picked
     again (or, for an explicit ``step``, the user is told it is gone)."""
@@ -309,7 +345,7 @@ def _restore_despite_rotation(checkpoints: CheckpointManager, step, template, pa
                 + (f"; committed steps: {steps}" if steps else "")
             )
         try:
-            return checkpoints.restore(chosen, template), chosen
+            return checkpoints.restore(chosen, template_for(checkpoints, chosen)), chosen
         except CheckpointError:
             if chosen in checkpoints.steps() and os.path.isdir(checkpoints.path(chosen)):
                 raise  # still there: damaged, as the error says

@@ -9,9 +9,11 @@ from ._build import restore_run
 def load_run(workdir: str | os.PathLike, step: int | None = None) -> tuple[Config, object]:
     """The configuration and the trained model of a work directory.
 
-    The model is built from the stored configuration (``build(config).model``, which
-    fixes its structure and static parts) and takes its arrays from the newest committed
-    checkpoint, or from the one of ``step``.
+    The model is built from the configuration that wrote the checkpoint (the newest
+    committed one, or the one of ``step``; ``build(config).model`` fixes its structure
+    and static parts) and takes its arrays from it. That configuration is recorded in
+    each checkpoint, so a step trained before a resume with ``--allow-config-change``
+    comes back with the discretisation it was trained in, not ``config.json``'s.
 
     Example: ``config, model = load_run("runs/smoke")``, then ``model(inputs)``.
 
@@ -20,7 +22,8 @@ def load_run(workdir: str | os.PathLike, step: int | None = None) -> tuple[Confi
         step: the checkpoint to load (default: the newest).
 
     Returns:
-        ``(config, model)``: the resolved ``Config`` and the ``SequenceModel``.
+        ``(config, model)``: the resolved ``Config`` of that checkpoint and the
+        ``SequenceModel``.
 
     Raises:
         WorkdirError: not an ocformer work directory, no configuration, or no committed
