@@ -361,6 +361,10 @@ PREPARE_REFUSALS = [
         "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char",
         "--out", _file(t, "f.txt", b"x") + "/sub/ds"],
      r"--out .*f\.txt/sub/ds: .*f\.txt is not a directory"),
+    ("tokenizer-missing-a-character", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD + b"xyz"), "--tokenizer", _char_tokenizer_file(t)],
+     r"--input .*a\.txt: the tokenizer .*tokenizer\.json cannot encode its character 'x' "
+     r"\(U\+0078\)"),
     ("file-given-twice", lambda t: [
         "--input", _file(t, "in/a.txt", _GOOD), _file(t, "in/b.txt", _GOOD), f"{t}/in/*.txt",
         "--tokenizer", "char"],

@@ -141,6 +141,59 @@ def test_dtype_boundary_and_a_transformers_tokenizer_of_over_65536_symbols(tmp_p
     assert ids.max() == 70_000  # w69999: an id above 65535 survives the round trip
 
 
+def test_a_tokenizer_whose_ids_skip_some_gives_a_dataset_that_opens(tmp_path):
+    """The vocabulary is the id range (largest id + 1), not the number of symbols: a
+    dataset of a tokenizer with a gap in its ids verifies and trains."""
+    from ocformer.tasks import verify_dataset
+
+    vocab = {c: i for i, c in enumerate("abc ")}
+    vocab["z"] = 9  # ids 4..8 unused
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.save(str(tmp_path / "tok.json"))
+    corpus = _write(tmp_path / "c.txt", "abc zab " * 300)
+    manifest = prepare_text([str(corpus)], str(tmp_path / "tok.json"), tmp_path / "ds",
+                            progress=False)  # fmt: skip
+    assert manifest["vocab_size"] == 10
+    assert verify_dataset(tmp_path / "ds")["vocab_size"] == 10
+    assert make_task("tokens", seq_len=8, path=str(tmp_path / "ds")).vocab_size == 10
+
+
+def test_an_interrupted_preparation_leaves_nothing(tmp_path, corpus, capsys, monkeypatch):
+    """SIGTERM unwinds as Ctrl-C does (exit 143, the temporary directory removed), and a
+    temporary directory that a SIGKILL left is removed by the next preparation, while
+    one of a preparation still running (its process alive) is kept."""
+    import signal
+
+    from ocformer.tasks import _dataset
+
+    root, _, _ = corpus
+    out = tmp_path / "ds"
+    stale = tmp_path / f".ds.{2**22 + 12345}.abc123.partial"  # no such process
+    running = tmp_path / f".ds.{os.getpid()}.def456.partial"
+    stale.mkdir()
+    running.mkdir()
+    encode, calls = _dataset.encode, []
+
+    def encode_then_terminate(tok, text):  # SIGTERM while the third chunk is encoded
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return encode(tok, text)
+
+    monkeypatch.setattr(_dataset, "encode", encode_then_terminate)
+    argv = ["text", "--input", str(root / "a.txt"), "--tokenizer", "bpe:300", "--out", str(out)]
+    code = prepare_main([*argv, "--chunk-bytes", "256", "--no-progress"])
+    assert code == 143 and len(calls) == 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is undone
+    monkeypatch.setattr(_dataset, "encode", encode)
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    # The stale directory went when this preparation started; its own when it stopped.
+    assert [p.name for p in tmp_path.iterdir()] == [running.name]
+    assert prepare_main([*argv, "--no-progress"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ds", running.name])
+
+
 @pytest.mark.parametrize("tokenizer", ["char", "bpe:280"])
 def test_small_chunks_give_the_same_files(tmp_path, tokenizer):
     """Streaming: chunks of 64 bytes (a corpus of ~50 KB, ~800 chunks) give byte for

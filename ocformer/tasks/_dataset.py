@@ -54,7 +54,9 @@ from ._tokenizer import (
     char_table,
     char_tokenizer,
     encode,
+    id_range,
     load_tokenizer,
+    unencodable,
 )
 
 FORMAT = "ocformer-tokens"
@@ -344,7 +346,7 @@ def prepare_text(
     else:
         assert spec.file is not None
         tok = load_tokenizer(spec.file)
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    vocab_size = id_range(tok)
     dtype = dtype_for(vocab_size)
     table = char_table(tok) if spec.kind == "char" else None
 
@@ -352,7 +354,10 @@ def prepare_text(
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CorpusError(f"--out {out}: cannot create {out.parent} ({e.strerror})") from None
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    _remove_stale_partials(out)
+    tmp = pathlib.Path(
+        tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent)
+    )
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -376,7 +381,11 @@ def prepare_text(
                         codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
                         ids = table[codes]
                     else:
-                        ids = encode(tok, text)
+                        try:
+                            ids = encode(tok, text)
+                        except Exception as e:  # tokenizers raises a bare Exception
+                            why = _unencodable(piece.file, tokenizer, tok, text, e)
+                            raise CorpusError(why) from None
                     writers[piece.split].write(ids)
                     b.set_postfix(tokens=sum(w.tokens for w in writers.values()), refresh=False)
             splits = {s: w.finish() for s, w in writers.items()}
@@ -419,6 +428,41 @@ def prepare_text(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _unencodable(file: pathlib.Path, spec: str, tok: Tokenizer, text: str, err) -> str:
+    c = unencodable(tok, text)
+    what = f"its character {c!r} (U+{ord(c):04X})" if c is not None else "its text"
+    return (
+        f"--input {file}: the tokenizer {spec} cannot encode {what} ({err}); use a "
+        "tokenizer that covers the corpus (char or bpe:N, which are made from it, or one "
+        "with an unknown token)"
+    )
+
+
+# A temporary sibling of --out: ``.<name>.<pid>.<random>.partial``.
+_PARTIAL = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.partial")
+
+
+def _remove_stale_partials(out: pathlib.Path) -> None:
+    """Delete the temporary siblings of ``out`` that a killed preparation left (SIGKILL
+    leaves no time to remove them); one of a preparation still running is kept."""
+    if not out.parent.is_dir():
+        return
+    for path in out.parent.iterdir():
+        m = _PARTIAL.fullmatch(path.name)
+        if m and m["name"] == out.name and path.is_dir() and not _alive(int(m["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_json(path: pathlib.Path, data: dict) -> None:
@@ -514,10 +558,10 @@ def _check_files(path: pathlib.Path, manifest: dict):
             "the dataset is corrupted: prepare it again"
         )
     tokenizer = load_tokenizer(tok_file)
-    if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
+    if id_range(tokenizer) != vocab_size:
         raise DatasetError(
-            f"{tok_file} has {tokenizer.get_vocab_size(with_added_tokens=True)} symbols, "
-            f"the manifest says vocab_size={vocab_size}; prepare the dataset again"
+            f"{tok_file} has ids 0..{id_range(tokenizer) - 1}, the manifest says "
+            f"vocab_size={vocab_size}; prepare the dataset again"
         )
     for split, name in SPLIT_FILES.items():
         file, tokens = path / name, int(manifest["splits"][split]["tokens"])

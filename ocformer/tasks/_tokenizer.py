@@ -120,6 +120,26 @@ def bpe_tokenizer(texts: Iterable[str], size: int) -> Tokenizer:
     return tok
 
 
+def id_range(tokenizer: Tokenizer) -> int:
+    """The number of ids a model needs for ``tokenizer``: its largest id plus one. That
+    is its number of symbols when the ids are 0..V-1, and more when they skip some
+    (a hand-made tokenizer can), whose rows then go unused."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return max(ids, default=-1) + 1
+
+
+def unencodable(tokenizer: Tokenizer, text: str) -> str | None:
+    """The first character of ``text`` that ``tokenizer`` cannot encode on its own (a
+    word-level tokenizer without an unknown token fails on a character it lacks), or
+    None."""
+    for c in dict.fromkeys(text):
+        try:
+            tokenizer.encode(c, add_special_tokens=False)
+        except Exception:  # tokenizers raises a bare Exception
+            return c
+    return None
+
+
 def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     """The ids (int64) of ``text``, without special tokens (a corpus is raw text)."""
     return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)

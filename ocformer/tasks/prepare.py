@@ -18,6 +18,7 @@ holding one). Bad input (a missing, empty or non-UTF-8 file, a bad tokenizer, an
 
 import argparse
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -90,6 +91,8 @@ def _text_main(argv: list[str]) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    # SIGTERM (a scheduler, kill) unwinds like Ctrl-C: the temporary directory goes.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         manifest = prepare_text(
             args.input, args.tokenizer, args.out, chunk_bytes=args.chunk_bytes,
@@ -97,6 +100,11 @@ def _text_main(argv: list[str]) -> int:
         )  # fmt: skip
     except ValueError as err:  # CorpusError, TokenizerSpecError: bad input, nothing written
         return fail("prepare text", 2, str(err))
+    except (KeyboardInterrupt, _Terminated) as stop:
+        code, how = (143, "SIGTERM") if isinstance(stop, _Terminated) else (130, "Ctrl-C")
+        return fail("prepare text", code, f"stopped by {how}; {args.out} is as it was")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     splits = manifest["splits"]
     print(
         f"Dataset ready: {args.out} ({splits['train']['tokens']} training and "
@@ -104,6 +112,15 @@ def _text_main(argv: list[str]) -> int:
         f"{manifest['vocab_size']}, {manifest['dtype']})"
     )
     return 0
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (a ``BaseException``, as ``KeyboardInterrupt``: no ``except
+    Exception`` of the preparation stops it)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
 
 
 def _verify_main(argv: list[str]) -> int:
