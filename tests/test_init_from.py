@@ -130,11 +130,20 @@ def test_start_reproduces_the_checkpoint_loss(experiment, gpt2):
         # Set explicitly to the schema's default (width 32, hidden 64): still a conflict.
         (
             ["model.init_from={gpt2}", "model.width=32"],
-            ["model.width: is 32", "whose model.width is 8"],
+            ["model.width is 32, the checkpoint's 8"],
         ),
         (
             ["model.init_from={gpt2}", "model.hidden=64"],
-            ["model.hidden: is 64", "whose model.hidden is 32"],
+            ["model.hidden is 64, the checkpoint's 32"],
+        ),
+        # Every conflicting field at once, not the first alone.
+        (
+            ["model.init_from={gpt2}", "model.hidden=64", "model.activation=relu"],
+            [
+                "2 set field(s) disagree",
+                "model.hidden is 64, the checkpoint's 32",
+                "model.activation is 'relu', the checkpoint's 'gelu_tanh'",
+            ],
         ),
         (["model.init_from={gpt2}", "model.norm=post"], ["model.norm", "'post'", "'pre'"]),
         (["model.init_from={gpt2}", "task.seq_len=32"], ["task.seq_len", "16 positions"]),
@@ -177,7 +186,8 @@ def test_a_field_set_in_the_experiment_file_to_its_default_is_checked(
     code = train_cli.main([*argv, "--set", f"model.init_from={gpt2[0]}", "--set", QUIET[0]])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "model.width: is 32" in err and "whose model.width is 8" in err, err
+    assert "model.width: the run starts from" in err, err
+    assert "model.width is 32, the checkpoint's 8" in err, err
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -218,9 +228,16 @@ def test_finetune_export_and_load_in_transformers(experiment, gpt2, tmp_path, ca
     _train(experiment, run, f"model.init_from={path}", "train.checkpoint_every=1")
     config_run, model = load_run(run)
     assert type(model).__name__ == "SequenceModel" and model.tied
+    # The configuration states the architecture the checkpoint fixed (width 8, hidden
+    # 32, GPT-2's gelu_tanh), not the schema's defaults (32, 64, gelu) of config.json.
+    m = config_run.model
+    assert (m.width, m.hidden, m.activation, m.num_layers) == (8, 32, "gelu_tanh", 2)
+    stored = json.loads((run / "config.json").read_text())["model"]
+    assert stored["width"] == 32
     # The work directory records where the run started.
     started = json.loads((run / "run.json").read_text())["init_from"]
     assert started == build(config_run).init_from and started["kind"] == "checkpoint"
+    assert started["architecture"]["model.width"] == 8
     assert started["path"] == os.path.abspath(path) and all(
         len(h) == 64 for h in started["sha256"].values()
     )
@@ -309,7 +326,9 @@ def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
     # which start is gone, not that the version cannot rebuild the run.
     with pytest.raises(ConfigError) as caught:
         load_run(child)
-    assert "it started from another checkpoint, which rebuilding it reads" in str(caught.value)
+    assert f"the run in {run} started from another checkpoint, which rebuilding it reads" in str(
+        caught.value
+    )
     assert f"{source} does not exist" in str(caught.value)
     assert "version" not in str(caught.value)
 

@@ -231,17 +231,25 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
             raise ConfigError("model.init_from", str(e)) from None
         except ConfigError as e:  # the source's configuration, not this run's
             if e.field == "model.init_from":  # the source's own start is gone or changed
-                why = f"it started from another checkpoint, which rebuilding it reads: {e}"
+                why = (
+                    f"the run in {source.path} started from another checkpoint, which "
+                    f"rebuilding it reads: {e}"
+                )
             else:
-                why = f"its configuration cannot be rebuilt by this version of ocformer: {e}"
-            raise ConfigError("model.init_from", f"the run in {source.path}: {why}") from None
+                why = (
+                    f"{source.path}/config.json cannot be rebuilt by this version of ocformer: {e}"
+                )
+            raise ConfigError("model.init_from", why) from None
         files = [
             os.path.join(root, name) for root, _, names in os.walk(checkpoint) for name in names
         ]
     _init_from.check_architecture(config, source, _init_from.architecture(model))
     _init_from.check_task(config, task, model, source)
     model = _init_from.adapt(model, config, build_discretisation(config))
-    return model, _init_from.record(source, step, files) if record else None
+    if not record:
+        return model, None
+    fixed = {f"{s}.{n}": v for (s, n), v in _init_from.architecture(model).items()}
+    return model, {**_init_from.record(source, step, files), "architecture": fixed}
 
 
 def restore_run(

@@ -130,18 +130,26 @@ def check_architecture(config: Config, source: Source, fixed: dict) -> None:
     must agree with the source.
 
     Raises:
-        ConfigError: naming the first conflicting field and both values.
+        ConfigError: on the first conflicting field, naming every conflicting field and
+            both values of each.
     """
+    conflicts = {}
     for (section, name), value in fixed.items():
         part = getattr(config, section)
         ours = getattr(part, name)
         if is_set(part, name) and ours != value:
-            raise ConfigError(
-                f"{section}.{name}",
-                f"is {ours!r}, but the run starts from {source.path} (model.init_from), "
-                f"whose {section}.{name} is {value!r}; the checkpoint fixes the "
-                f"architecture: leave {section}.{name} unset or set it to {value!r}",
-            )
+            conflicts[f"{section}.{name}"] = (ours, value)
+    if conflicts:
+        listed = "; ".join(
+            f"{k} is {o!r}, the checkpoint's {v!r}" for k, (o, v) in conflicts.items()
+        )
+        names = " and ".join(conflicts)
+        raise ConfigError(
+            next(iter(conflicts)),
+            f"the run starts from {source.path} (model.init_from), which fixes the "
+            f"architecture, and {len(conflicts)} set field(s) disagree with it: {listed}; "
+            f"leave {names} unset or set them to the checkpoint's values",
+        )
 
 
 def check_task(config: Config, task, model: SequenceModel, source: Source) -> None:

@@ -1,9 +1,12 @@
 """A trained model back from its work directory."""
 
+import dataclasses
 import os
 
 from ..config import Config
+from ..config._explicit import with_field
 from ._build import restore_run
+from ._init_from import architecture
 
 
 def load_run(workdir: str | os.PathLike, step: int | None = None) -> tuple[Config, object]:
@@ -22,8 +25,9 @@ def load_run(workdir: str | os.PathLike, step: int | None = None) -> tuple[Confi
         step: the checkpoint to load (default: the newest).
 
     Returns:
-        ``(config, model)``: the resolved ``Config`` of that checkpoint and the
-        ``SequenceModel``.
+        ``(config, model)``: the resolved ``Config`` of that checkpoint (for a run
+        that started from a checkpoint, with the architecture fields the model took
+        from it) and the ``SequenceModel``.
 
     Raises:
         WorkdirError: not an ocformer work directory, no configuration, or no committed
@@ -32,4 +36,18 @@ def load_run(workdir: str | os.PathLike, step: int | None = None) -> tuple[Confi
         ocformer.checkpointing.CheckpointError: a corrupted or mismatched checkpoint.
     """
     config, model, _, _ = restore_run(workdir, step)
+    if config.model.init_from is not None:
+        config = with_architecture(config, model)
     return config, model
+
+
+def with_architecture(config: Config, model) -> Config:
+    """``config`` with the fields that ``model`` fixes (its width, depth, heads, hidden
+    width, norm, activation, ...) set to the model's values: a run that started from a
+    checkpoint (``model.init_from``) takes them from it, and its config.json holds
+    only what was set."""
+    sections = {}
+    for (section, name), value in architecture(model).items():
+        part = sections.get(section, getattr(config, section))
+        sections[section] = with_field(part, name, value)
+    return dataclasses.replace(config, **sections)
