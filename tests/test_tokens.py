@@ -339,3 +339,29 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
         == (again["splits"]["train"]["sha256"])
     )
     assert evaluate_cli.main([str(run)]) == ExitCode.OK
+
+
+def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monkeypatch):
+    """A run started with a relative task.path (as the shipped experiments give) is
+    read from anywhere: its readers take the path relative to the directory the run
+    was started in (run.json's cwd), not to theirs."""
+    from ocformer.evaluation import evaluate_run
+    from ocformer.training import load_run
+
+    root, _, _ = corpus
+    prepare_text([str(root / "a.txt"), str(root / "b.txt")], "char", tmp_path / "data",
+                 progress=False)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    argv = [
+        "--config", SMOKE, "--workdir", "run", "--set", "task.name=tokens",
+        "--set", "task.path=data", "--set", "task.seq_len=8", "--set", "task.batch_size=4",
+        "--set", "task.eval_batch_size=4", "--set", "task.eval_batches=1",
+        "--set", "train.steps=1", "--set", "train.progress=false",
+    ]  # fmt: skip
+    assert cli.main(argv) == ExitCode.OK
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config, _ = load_run(tmp_path / "run")
+    assert config.task.path == str(tmp_path / "data")
+    assert evaluate_run(str(tmp_path / "run"))["step"] == 1

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from .. import controls
 from ..checkpointing import CheckpointError, CheckpointManager
 from ..config import Config, ConfigError, from_dict, stepper_object, validate
+from ..config._explicit import with_field
 from ..controls import NormParams
 from ..integration import DEPTH_AXIS, DEPTH_PARALLEL, GRADIENT_METHODS, Discretisation
 from ..models import (
@@ -35,7 +36,7 @@ from ..tasks import TASKS, AbstractTextTask, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser, under_standard_promotion
-from ._rundir import RUN_MARKER, dataset_change
+from ._rundir import RUN_MARKER, dataset_change, run_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +276,7 @@ def restore_run(
             config = validate(from_dict(json.load(f)))
     except (OSError, json.JSONDecodeError) as e:
         raise WorkdirError(f"{path}/config.json cannot be read ({e})") from None
+    config = _anchored(config, path)
     if (changed := dataset_change(path, config)) is not None:
         raise WorkdirError(
             f"{path} was trained on other data than the dataset directory at task.path "
@@ -288,7 +290,7 @@ def restore_run(
         # The configuration that wrote the checkpoint: a run resumed with
         # --allow-config-change (another discretisation, say) holds checkpoints of
         # both, and config.json is only the newest's.
-        trained = _checkpoint_config(checkpoints, chosen, config)
+        trained = _anchored(_checkpoint_config(checkpoints, chosen, config), path)
         if built.get("config") != trained:
             # The model is a template: the checkpoint replaces its parameters.
             built["config"] = trained
@@ -309,6 +311,25 @@ def restore_run(
         directory = checkpoints.path(chosen)
     model = eqx.combine(jax.tree.map(jnp.asarray, tree[0]), built["exp"].model)
     return built["config"], model, chosen, directory
+
+
+# The paths a run's configuration may give relative to the directory it was started in.
+_RELATIVE_PATHS = (("task", "path"), ("task", "data_dir"), ("model", "init_from"))
+
+
+def _anchored(config: Config, workdir: str) -> Config:
+    """``config`` with its relative paths (a dataset, a corpus directory, a start) made
+    absolute against the directory the run was started in (``run.json``'s ``cwd``):
+    a reader of the run (evaluate, export, load_run) may run anywhere."""
+    cwd = run_record(workdir, "cwd")
+    if not isinstance(cwd, str):
+        return config
+    for section, name in _RELATIVE_PATHS:
+        value = getattr(getattr(config, section), name)
+        if isinstance(value, str) and not os.path.isabs(value):
+            part = with_field(getattr(config, section), name, os.path.join(cwd, value))
+            config = dataclasses.replace(config, **{section: part})
+    return config
 
 
 def _checkpoint_config(checkpoints: CheckpointManager, step: int, stored: Config) -> Config:
