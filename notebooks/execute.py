@@ -220,6 +220,10 @@ def main(argv: list[str]) -> int:
         out = HERE
     if args.check:
         os.environ.pop("OCFORMER_FIGURES", None)  # the kernels inherit it: no figure written
+    # tqdm.auto warns in a kernel without ipywidgets (its bars fall back to text), with
+    # the path of the installation: not part of what a notebook shows.
+    quiet = "ignore:IProgress not found"
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), quiet]))
     moved = 0
     for name in args.names:
         started = time.perf_counter()

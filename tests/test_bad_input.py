@@ -599,6 +599,12 @@ BAD_COMMAND_LINES = [
      ["is taken on this machine", "choose another --port"]),
     ("convergence --steps 0,4", _convergence("--steps", "0,4"), 2,
      ["argument --steps: '0' is not a whole number of steps >= 1"]),
+    # A first value with a minus sign is the list's, not an option's ("expected one
+    # argument" from argparse otherwise).
+    ("convergence --steps -4,8", _convergence("--steps", "-4,8"), 2,
+     ["argument --steps: '-4' is not a whole number of steps >= 1"]),
+    ("convergence --epsilons -0.1,0.2", _convergence("--epsilons", "-0.1,0.2"), 2,
+     ["argument --epsilons: '-0.1' is not a finite number > 0"]),
     ("convergence --steps 4,abc", _convergence("--steps", "4,abc"), 2,
      ["argument --steps: 'abc' is not a whole number"]),
     ("convergence --schemes ''", _convergence("--schemes", ""), 2,

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import re
+import sys
 
 from .._cli import exit_with, fail
 from ..checkpointing import atomic_write_text, output_problem
@@ -89,6 +90,27 @@ def _finite(tree):
     return tree
 
 
+_LIST_OPTIONS = ("--steps", "--epsilons")
+
+
+def _joined_lists(argv: list[str]) -> list[str]:
+    """``--steps -4,8`` as ``--steps=-4,8``: argparse takes a value that starts with a
+    dash and is not a plain number for an option, and would say only "expected one
+    argument" instead of the list's own message on its first entry."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _LIST_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            value = argv[i + 1]
+            if len(value) > 1 and (value[1].isdigit() or value[1] == "."):
+                out.append(f"{argv[i]}={value}")
+                i += 2
+                continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ocformer.analysis")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("--json", dest="json_path", default=None, help="write the result here")
     conv.add_argument("--plot", default=None, help="write a log-log plot (PNG) here")
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_joined_lists(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # --help (0), or a bad argument: argparse named it (2)
         return int(e.code or 0)
     if args.epsilons is not None and (

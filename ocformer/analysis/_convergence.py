@@ -418,16 +418,24 @@ def plot_study(result: dict, path: str | None = None, ax=None):
         fig, ax = plt.subplots(figsize=(5, 4))
     else:
         fig = ax.figure
+    from matplotlib.ticker import NullFormatter
+
     if "relaxation" in result:
         r = result["relaxation"]
         ax.loglog(r["epsilons"], r["errors"], "o-", label=f"slope {r['slope']:.2f}")
         ax.set_xlabel("epsilon")
+        xs = set(r["epsilons"])
     else:
+        xs = set()
         for name, r in result["schemes"].items():
             if r["status"] != "ok":
                 continue
             ax.loglog(r["dt"], r["errors"], "o-", label=f"{name} (slope {r['slope']:.2f})")
+            xs.update(r["dt"])
         ax.set_xlabel("dt")
+    if xs:  # ticks at the points themselves: the minor labels of a short decade overlap
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(sorted(xs), [f"{x:.3g}" for x in sorted(xs)])
     ax.set_ylabel("error at T")
     ax.set_title(f"formulation={result['formulation']}")
     ax.legend(fontsize=8)
