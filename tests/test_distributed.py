@@ -82,6 +82,20 @@ def _free_port() -> int:
         (["mesh.data=3"], 1, "mesh.data", "3 x 1 = 3 devices is larger than the 1 devices"),
         (["mesh.model=4"], 4, "mesh.model", "model.num_heads=2"),
         (["mesh.model=2", "model.hidden=33"], 2, "mesh.model", "model.hidden=33"),
+        # Too deep a mesh is named as such, not as mesh.model=1 (which fits).
+        (
+            ["mesh.depth=2", "discretisation.depth_parallel=parareal"],
+            1,
+            "mesh.depth",
+            "mesh.depth=2 needs more devices than the 1 there are",
+        ),
+        (
+            ["mesh.depth=2", "mesh.model=2", "discretisation.depth_parallel=parareal"],
+            3,
+            "mesh.model",
+            "mesh.model=2 x mesh.depth=2 needs more devices than the 3 there are; "
+            "lower mesh.model or mesh.depth",
+        ),
     ],
 )
 def test_mesh_that_does_not_divide_is_refused_at_start(overrides, devices, field, words):

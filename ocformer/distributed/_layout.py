@@ -45,10 +45,20 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[int, int, int]:
             number of devices, or a resolved ``data`` that does not divide the batch.
     """
     data, model, depth = config.mesh.data, config.mesh.model, config.mesh.depth
+    if depth > num_devices:
+        raise MeshError(
+            "mesh.depth",
+            f"mesh.depth={depth} needs more devices than the {num_devices} there are "
+            f"({jax.process_count()} process(es), platform {jax.devices()[0].platform}); "
+            f"choose mesh.depth <= {num_devices}",
+        )
     for name, fixed, other in (("mesh.data", data, model), ("mesh.model", model, data)):
         if other == -1 and fixed * depth > num_devices:
+            times = f" x mesh.depth={depth}" if depth > 1 else ""
             raise MeshError(
-                name, f"{name}={fixed} needs more devices than the {num_devices} there are"
+                name,
+                f"{name}={fixed}{times} needs more devices than the {num_devices} there are; "
+                f"lower {name}" + (" or mesh.depth" if depth > 1 else ""),
             )
     if data == -1:
         if num_devices % (model * depth):
@@ -77,7 +87,7 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[int, int, int]:
             f"the mesh {axes} = {sizes} = {data * model * depth} devices "
             f"is larger than the {num_devices} devices of this run ({jax.process_count()} "
             f"process(es), platform {jax.devices()[0].platform}); lower mesh.data or "
-            "mesh.model, or use -1 for the rest",
+            f"mesh.model{' or mesh.depth' if depth > 1 else ''}, or use -1 for the rest",
         )
     if config.task.batch_size % data:
         raise MeshError(
