@@ -932,6 +932,8 @@ def test_a_signal_to_a_sweep_stops_its_point_and_records_it(tmp_path, compile_ca
             sweep.wait()
     assert sweep.returncode == 128 + getattr(signal, signum), err
     assert f"stopped by {signum}" in err and "Rerun the same command" in err
+    name = os.path.basename(point)
+    assert f"point {name} checkpointed and was recorded as interrupted" in err, err
     # The training process is gone (its pid no longer exists), not orphaned.
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
@@ -1034,3 +1036,22 @@ def test_slurm_launch_without_slurm_is_refused_before_writing(tmp_path, capsys, 
     assert sweep_main([SMOKE_SWEEP, "--workdir", str(out), "--launcher", "slurm"]) == 2
     assert "no SLURM on this machine (sbatch not found)" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_an_interrupted_sweep_says_what_it_left():
+    """The stop message names the points interrupted in training and those trained but
+    not evaluated yet, and counts the points not started; it claims no interrupted
+    point when none was."""
+    import signal
+
+    from ocformer.sweeping import SweepInterrupted
+
+    e = SweepInterrupted(signal.SIGTERM, interrupted=["a", "b"], unevaluated=["c"], not_started=2)
+    assert e.exit_code == 143
+    assert str(e) == (
+        "stopped by SIGTERM: points a, b checkpointed and were recorded as interrupted; "
+        "point c trained, with evaluations still to run; 2 point(s) not started. Rerun the "
+        "same command to resume"
+    )
+    only = str(SweepInterrupted(signal.SIGINT, unevaluated=["p"]))
+    assert "interrupted" not in only.split(":", 1)[1] and "point p trained" in only

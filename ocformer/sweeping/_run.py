@@ -58,15 +58,35 @@ STOP_GRACE_S = 60.0
 
 class SweepInterrupted(Exception):
     """The sweep was stopped by a signal (SIGTERM or SIGINT) after its running points
-    were stopped and recorded as interrupted; the command exits with 128 + signal."""
+    were stopped and recorded as interrupted; the command exits with 128 + signal. The
+    message names what the stop left: the points interrupted in training, those trained
+    whose evaluations were not all written, and how many did not start."""
 
-    def __init__(self, signum: int):
+    def __init__(
+        self,
+        signum: int,
+        interrupted: Sequence[str] = (),
+        unevaluated: Sequence[str] = (),
+        not_started: int = 0,
+    ):
         self.signum = signum
         self.exit_code = 128 + signum
+        left = []
+        if interrupted:
+            were = "was" if len(interrupted) == 1 else "were"
+            left.append(f"{_named(interrupted)} checkpointed and {were} recorded as interrupted")
+        if unevaluated:
+            left.append(f"{_named(unevaluated)} trained, with evaluations still to run")
+        if not_started:
+            left.append(f"{not_started} point(s) not started")
+        said = "; ".join(left) if left else "no point was running"
         super().__init__(
-            f"stopped by {signal.Signals(signum).name}; the running points checkpointed and "
-            "were recorded as interrupted. Rerun the same command to resume them"
+            f"stopped by {signal.Signals(signum).name}: {said}. Rerun the same command to resume"
         )
+
+
+def _named(names: Sequence[str]) -> str:
+    return ("point " if len(names) == 1 else "points ") + ", ".join(names)
 
 
 def point_dir(sweep_dir: str, name: str) -> str:
@@ -454,7 +474,17 @@ def run_local(
             )
             stop_children()
             pool.shutdown(wait=True)
-            raise SweepInterrupted(signum)
+            states = {p["name"]: read_status(point_dir(sweep_dir, p["name"])) for p in todo}
+            raise SweepInterrupted(
+                signum,
+                interrupted=[n for n, st in states.items() if st.get("status") == "interrupted"],
+                unevaluated=[
+                    p["name"]
+                    for p in todo
+                    if states[p["name"]].get("status") == "done" and not is_finished(sweep_dir, p)
+                ],
+                not_started=sum(1 for st in states.values() if not st),
+            )
         results = [f.result() for f in futures]
     pool.shutdown(wait=True)
     progress.show(force=True)
