@@ -72,10 +72,10 @@ summary(pre)
 # %% [markdown]
 # Each fitted slope printed above sits next to the scheme's order: Lie and parallel
 # splitting and Euler are first order, Strang (midpoint sub-flows) and the second-order
-# Runge-Kutta methods second, Bosh3 third. Tsit5's errors (about 1e-11 at the finest
-# grid, far above float64 rounding) fall faster than its order 5 on the coarse grids and
-# its local slopes come down towards 5 as the steps shrink: the asymptotic regime
-# arrives at the finer grids.
+# Runge-Kutta methods second, Bosh3 third. Tsit5's errors (in the table above: far
+# above float64 rounding at the finest grid) fall faster than its order on the coarse
+# grids, and its local slopes come down towards that order as the steps shrink: the
+# asymptotic regime arrives at the finer grids.
 
 # %% [markdown]
 # ## Post-LN: projected dynamics on $S_1$ and the relaxation
