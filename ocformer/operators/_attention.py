@@ -20,6 +20,7 @@ _FUSED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float
 # multiple of 8 up to 128.
 _CUDNN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 AttentionKernel = Literal["xla", "cudnn"]
+ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 
 
 def _library_kernel_takes(dtype) -> bool:
@@ -30,9 +31,6 @@ def _library_kernel_takes(dtype) -> bool:
     if dtype == np.float16 and jax.default_backend() == "cpu":
         return False
     return dtype in _FUSED_DTYPES
-
-
-ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
 
 
 def _transform(u, w, b, h_y: float):

@@ -384,7 +384,7 @@ def prepare_text(
                         try:
                             ids = encode(tok, text)
                         except Exception as e:  # tokenizers raises a bare Exception
-                            why = _unencodable(piece.file, tokenizer, tok, text, e)
+                            why = _cannot_encode(piece.file, tokenizer, tok, text, e)
                             raise CorpusError(why) from None
                     writers[piece.split].write(ids)
                     b.set_postfix(tokens=sum(w.tokens for w in writers.values()), refresh=False)
@@ -430,7 +430,9 @@ def prepare_text(
     return manifest
 
 
-def _unencodable(file: pathlib.Path, spec: str, tok: Tokenizer, text: str, err) -> str:
+def _cannot_encode(file: pathlib.Path, spec: str, tok: Tokenizer, text: str, err) -> str:
+    """The refusal of a corpus ``file`` whose ``text`` the tokenizer ``spec`` cannot
+    encode, naming the first character it lacks."""
     c = unencodable(tok, text)
     what = f"its character {c!r} (U+{ord(c):04X})" if c is not None else "its text"
     return (
@@ -558,9 +560,9 @@ def _check_files(path: pathlib.Path, manifest: dict):
             "the dataset is corrupted: prepare it again"
         )
     tokenizer = load_tokenizer(tok_file)
-    if id_range(tokenizer) != vocab_size:
+    if (ids := id_range(tokenizer)) != vocab_size:
         raise DatasetError(
-            f"{tok_file} has ids 0..{id_range(tokenizer) - 1}, the manifest says "
+            f"{tok_file} has ids 0..{ids - 1}, the manifest says "
             f"vocab_size={vocab_size}; prepare the dataset again"
         )
     for split, name in SPLIT_FILES.items():

@@ -247,10 +247,7 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
     _init_from.check_architecture(config, source, _init_from.architecture(model))
     _init_from.check_task(config, task, model, source)
     model = _init_from.adapt(model, config, build_discretisation(config))
-    if not record:
-        return model, None
-    fixed = {f"{s}.{n}": v for (s, n), v in _init_from.architecture(model).items()}
-    return model, {**_init_from.record(source, step, files), "architecture": fixed}
+    return model, _init_from.record(source, step, files, model) if record else None
 
 
 def restore_run(

@@ -256,14 +256,16 @@ def adapt(model: SequenceModel, config: Config, discretisation) -> SequenceModel
     return model.with_transformer(transformer)
 
 
-def record(source: Source, step: int | None, files: list[str]) -> dict:
-    """Where a run started: the source, the step of a work directory's checkpoint, and
-    the SHA-256 of each file that holds the weights."""
+def record(source: Source, step: int | None, files: list[str], model: SequenceModel) -> dict:
+    """Where a run started: the source, the step of a work directory's checkpoint, the
+    SHA-256 of each file that holds the weights, and the architecture ``model`` took
+    from it (config.json holds only the fields that were set)."""
     return {
         "path": source.path,
         "kind": source.kind,
         "step": step,
         "sha256": {os.path.relpath(f, source.path): _sha256(f) for f in sorted(files)},
+        "architecture": {f"{s}.{n}": v for (s, n), v in architecture(model).items()},
     }
 
 
