@@ -21,6 +21,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ocformer import export as export_cli, train as train_cli
+from ocformer.checkpointing import CheckpointManager
 from ocformer.config import ConfigError, is_set, resolve
 from ocformer.evaluation import evaluate, evaluate_run
 from ocformer.training import _init_from, build, load_run
@@ -381,3 +382,19 @@ def test_strang_rediscretisation_trains_and_is_not_exported(experiment, gpt2, tm
     at_1 = evaluate_run(str(run), step=1)
     assert at_1["step"] == 1 and at_1["discretisation"]["discretisation.stepper"] == "strang"
     assert at_1["discretisation"]["discretisation.steps_per_layer"] == 2
+
+
+def test_evaluate_reports_the_step_it_loaded(experiment, tmp_path, monkeypatch):
+    """The step an evaluation reports is that of the checkpoint it read, even when a
+    newer one is committed meanwhile (a run still training)."""
+    from ocformer.training import _load_run
+
+    run = tmp_path / "run"
+    _train(experiment, run, "train.steps=1")
+    loaded = []
+    restore = _load_run.restore_run
+    monkeypatch.setattr(_load_run, "restore_run", lambda *a: loaded.append(1) or restore(*a))
+    latest = CheckpointManager.latest
+    # After the load, the directory's newest checkpoint is a later one.
+    monkeypatch.setattr(CheckpointManager, "latest", lambda self: latest(self) + len(loaded))
+    assert evaluate_run(str(run))["step"] == 1

@@ -18,7 +18,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..checkpointing import CheckpointManager
 from ..config import (
     Config,
     ConfigError,
@@ -33,7 +32,7 @@ from ..training import (
     SolverFailure,
     build,
     build_discretisation,
-    load_run,
+    load_run_at,
     make_eval_step,
     validation_metrics,
     with_precision,
@@ -250,10 +249,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     for text in overrides:
         check_discretisation_field(text.split("=", 1)[0].strip())
     _enable_x64_if_needed(workdir)
-    config, trained = load_run(workdir, step)
-    at_step = (
-        CheckpointManager(os.path.join(workdir, "checkpoints")).latest() if step is None else step
-    )
+    config, trained, at_step = load_run_at(workdir, step)
     # The bias checks and fallback of a depth-parallel run act on its training only, so
     # they do not stop an evaluation under the serial solve.
     idle = dataclasses.replace(

@@ -18,7 +18,7 @@ from ._errors import (
     TrainingError as TrainingError,
     WorkdirError as WorkdirError,
 )
-from ._load_run import load_run as load_run
+from ._load_run import load_run as load_run, load_run_at as load_run_at
 from ._lock import LOCK_FILE as LOCK_FILE, DirectoryLock as DirectoryLock
 from ._loop import train as train, with_precision as with_precision
 from ._metrics import MetricsLog as MetricsLog

@@ -35,10 +35,17 @@ def load_run(workdir: str | os.PathLike, step: int | None = None) -> tuple[Confi
         ConfigError: the stored configuration is not valid for this version of ocformer.
         ocformer.checkpointing.CheckpointError: a corrupted or mismatched checkpoint.
     """
-    config, model, _, _ = restore_run(workdir, step)
+    config, model, _ = load_run_at(workdir, step)
+    return config, model
+
+
+def load_run_at(workdir: str | os.PathLike, step: int | None = None) -> tuple[Config, object, int]:
+    """``load_run``'s configuration and model, and the step of the checkpoint they
+    came from (read with them: a checkpoint committed meanwhile is not it)."""
+    config, model, at_step, _ = restore_run(workdir, step)
     if config.model.init_from is not None:
         config = with_architecture(config, model)
-    return config, model
+    return config, model, at_step
 
 
 def with_architecture(config: Config, model) -> Config:
