@@ -281,6 +281,11 @@ BAD_CONFIGS = [
         "train.msa_ternary_memory",
         "> 0",
     ),
+    # The schedule's step and the data's indices are int32, JAX's keys 32-bit seeds:
+    # larger values were an OverflowError traceback (or seed 2**32 the key of seed 0).
+    (["train.steps=3000000000"], "train.steps", "held as a 32-bit integer"),
+    (["optimiser.warmup_steps=99999999999999999999999"], "optimiser.warmup_steps", "32-bit"),
+    (["train.seed=4294967296"], "train.seed", "must be < 4294967296"),
     (["train.steps"], "--set", "bad --set syntax"),
     (["model=3"], "model", "not a whole section"),
     (["a.b.c=1"], "a.b.c", "malformed key"),

@@ -247,7 +247,12 @@ class TrainConfig:
     """The loop: length, seeds, evaluation, checkpoints, faults."""
 
     steps: int = _field(100, "optimiser updates", ge=0)
-    seed: int = _field(0, "seed of initialisation, data order and sampling", ge=0)
+    seed: int = _field(
+        0,
+        "seed of initialisation, data order and sampling (JAX's keys take 32 bits of it)",
+        ge=0,
+        lt=2**32,
+    )
     eval_every: int = _field(50, "evaluate on the validation set every this many steps", ge=1)
     checkpoint_every: int = _field(50, "save a checkpoint every this many steps", ge=1)
     keep_checkpoints: int = _field(3, "checkpoints kept (older ones deleted)", ge=1)

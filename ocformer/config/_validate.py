@@ -34,6 +34,11 @@ class ConfigError(ValueError):
         super().__init__(f"{field}: {message}" if field else message)
 
 
+# The largest integer a field takes unless it states its own bound: steps, sizes and
+# counts become int32 arrays (the schedule's step, the data's indices).
+INT32_MAX = 2**31 - 1
+
+
 def field_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -118,6 +123,18 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise ConfigError(
             path, f"got {value!r}; {hint}allowed: {', '.join(repr(c) for c in choices)}"
+        )
+    if (
+        meta.get("le") is None
+        and meta.get("lt") is None
+        and any(
+            isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT32_MAX for v in numbers
+        )
+    ):
+        raise ConfigError(
+            path,
+            f"must lie in [-{INT32_MAX}, {INT32_MAX}] (it is held as a 32-bit integer), "
+            f"got {value!r}",
         )
     if value is None or isinstance(value, str | bool | tuple):
         return
