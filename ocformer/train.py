@@ -24,11 +24,12 @@ import types
 import jax
 
 from ._cli import exit_with, fail
-from .checkpointing import CheckpointError
+from .checkpointing import CheckpointError, CheckpointManager
 from .config import ConfigError, apply_overrides, load_experiment
 from .distributed import DistributedError, initialize
 from .training import (
     COMPILE_CACHE_ENV,
+    RUN_MARKER,
     ExitCode,
     Preempted,
     TrainingError,
@@ -120,8 +121,24 @@ def main(argv: list[str] | None = None) -> int:
         # orbax's background threads, finding their executor shut down, would log
         # tracebacks of it while the interpreter ends.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
-        return fail(_PROGRAM, 130, "interrupted")
+        return fail(_PROGRAM, 130, f"interrupted; {_resume_point(args.workdir)}")
     return ExitCode.OK
+
+
+def _resume_point(workdir: str) -> str:
+    """Where a rerun of an interrupted command starts: the newest committed checkpoint
+    of ``workdir`` (a Ctrl-C writes none of its own; the steps after it are lost)."""
+    if not os.path.isfile(os.path.join(workdir, RUN_MARKER)):
+        return "nothing was trained"
+    checkpoints = CheckpointManager(os.path.join(workdir, "checkpoints"))
+    latest = checkpoints.latest()
+    if latest is None:
+        return "no checkpoint was committed yet: re-running the same command starts again"
+    return (
+        f"the newest committed checkpoint is step {latest} "
+        f"({checkpoints.path(latest)}); re-run the same command "
+        "to resume from it"
+    )
 
 
 def _exit_at_once_on_interrupt() -> None:

@@ -5,6 +5,7 @@ import glob
 import json
 import math
 import os
+import shutil
 import types
 
 import diffrax
@@ -374,6 +375,34 @@ def test_zero_steps_summary_lists_only_existing_files(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
     for key in ("metrics", "tensorboard", "checkpoint", "samples"):
         assert summary[key] is None or os.path.exists(summary[key]), key
+
+
+def test_an_interrupted_run_names_its_resume_point(tmp_path, monkeypatch, capsys):
+    """Ctrl-C writes no checkpoint of its own: its line names the newest committed one,
+    which a rerun resumes from (or says that there is none yet)."""
+    workdir = str(tmp_path / "run")
+    argv = ["--config", SMOKE, "--workdir", workdir, "--set", "train.progress=false"]
+    argv += ["--set", "train.steps=3", "--set", "train.checkpoint_every=2"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_train", interrupted)
+    assert cli.main(argv) == 130
+    assert "interrupted; nothing was trained" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert cli.main(argv) == 0
+    # As if stopped before the last checkpoint (step 3) committed.
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "step_3"))
+    capsys.readouterr()
+    monkeypatch.setattr(cli, "_train", interrupted)
+    assert cli.main(argv) == 130
+    err = capsys.readouterr().err
+    assert f"newest committed checkpoint is step 2 ({workdir}/checkpoints/step_2)" in err
+    assert "re-run the same command to resume from it" in err
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "step_2"))
+    assert cli.main(argv) == 130
+    assert "no checkpoint was committed yet" in capsys.readouterr().err
 
 
 def test_load_run_gives_the_trained_model(tmp_path):
