@@ -2,6 +2,8 @@
 
 import enum
 
+from ..integration import ADAPTIVE_STEPS_PER_LAYER
+
 
 class ExitCode(enum.IntEnum):
     """Exit codes of ``python -m ocformer.train``.
@@ -48,8 +50,10 @@ class SolverFailure(TrainingError):
         super().__init__(
             step,
             f"the ODE solve failed at training step {step}: {solver_message.strip()} "
-            "Loosen discretisation.rtol/atol, use discretisation.stepsize=constant, or give the "
-            "solver more steps (discretisation.steps_per_layer).",
+            "Loosen discretisation.rtol/atol (a tolerance below the dtype's resolution, "
+            "1.2e-7 in float32, cannot be met), use discretisation.stepsize=constant, or give "
+            "the solver more steps (an adaptive solve may take "
+            f"{ADAPTIVE_STEPS_PER_LAYER} x discretisation.steps_per_layer per layer).",
         )
 
     @classmethod
@@ -60,7 +64,10 @@ class SolverFailure(TrainingError):
         marker = "EquinoxRuntimeError: "
         if marker in text:  # the message of a runtime error re-raised by JAX
             text = text.split(marker, 1)[1]
-        return cls(step, text.split("\n---", 1)[0].strip())
+        text = text.split("\n---", 1)[0].strip()
+        # diffrax's advice names its own argument, which ocformer derives from the grid
+        # (the advice of the message above names what sets it).
+        return cls(step, text.replace(" Try increasing `max_steps`.", "").strip())
 
 
 class NonFiniteError(TrainingError):
