@@ -621,7 +621,7 @@ BAD_COMMAND_LINES = [
     ("evaluate --json a directory", _evaluate_json(lambda t: str(t)), 2,
      ["is a directory; give the path of a file"]),
     ("evaluate on a truncated config.json", _evaluate_truncated_config, 2,
-     ["config.json cannot be read"]),
+     ["config.json cannot be read", "writes it again from the configuration its newest"]),
 ]  # fmt: skip
 
 

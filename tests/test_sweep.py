@@ -999,6 +999,11 @@ def test_evaluate_refuses_non_discretisation_fields_and_non_runs(tmp_path, capsy
     assert "model.width: evaluation may change only the discretisation" in err
     assert evaluate_main([str(tmp_path)]) == 2
     assert "is not an ocformer work directory" in capsys.readouterr().err
+    assert evaluate_main([str(tmp_path / "missing")]) == 2
+    assert "missing does not exist: give the work directory" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("")
+    assert evaluate_main([str(tmp_path / "notes.txt")]) == 2
+    assert "notes.txt is a file, not a directory" in capsys.readouterr().err
 
 
 def test_rediscretise_keeps_every_trained_array():

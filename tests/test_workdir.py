@@ -233,6 +233,12 @@ def _config_json_deleted_and_not_in_the_checkpoint(tmp_path, reference):
     return argv(d), d
 
 
+def _config_json_truncated(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    (d / "config.json").write_text('{"model": {"num_lay')
+    return argv(d), d
+
+
 def _flipped_bytes_in_the_only_checkpoint(tmp_path, reference):
     d = copy_of(reference, tmp_path)
     for step in CheckpointManager(str(d / "checkpoints")).steps()[:-1]:
@@ -294,6 +300,10 @@ BAD_INPUTS = [
     ("config.json deleted and not in the checkpoint",
      _config_json_deleted_and_not_in_the_checkpoint, 2,
      ["config.json is missing", f"step_{STEPS} does not record the configuration"]),
+    # Refused (a half-edited file is not guessed at), with the way to recover it.
+    ("config.json truncated", _config_json_truncated, 2,
+     ["config.json cannot be read", "or delete it, and the newest checkpoint",
+      f"step_{STEPS}), which records the configuration that wrote it, restores it"]),
     ("flipped bytes in the only checkpoint", _flipped_bytes_in_the_only_checkpoint, 2,
      [f"checkpoints/step_{STEPS} is corrupted", "SHA-256 mismatch",
       "no earlier committed checkpoint"]),
@@ -562,6 +572,9 @@ def test_evaluate_refuses_a_checkpoint_whose_bytes_changed(reference, tmp_path, 
     assert evaluate.main([str(workdir)]) == 2
     err = capsys.readouterr().err
     assert f"checkpoints/step_{STEPS} is corrupted" in err and "SHA-256 mismatch" in err
+    earlier = CheckpointManager(str(workdir / "checkpoints")).steps()[:-1]
+    assert earlier and f"Its earlier committed steps are {earlier}: read one with --step" in err
+    assert evaluate.main([str(workdir), "--step", str(earlier[-1])]) == 0
 
 
 def _rotating(monkeypatch, times: int):

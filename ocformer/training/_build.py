@@ -266,13 +266,23 @@ def restore_run(
         ocformer.checkpointing.CheckpointError: a corrupted or mismatched checkpoint.
     """
     path = os.path.abspath(os.fspath(workdir))
+    if not os.path.exists(path):
+        raise WorkdirError(f"{path} does not exist: give the work directory of a training run")
+    if not os.path.isdir(path):
+        raise WorkdirError(
+            f"{path} is a file, not a directory: give the work directory of a training run"
+        )
     if not os.path.isfile(os.path.join(path, RUN_MARKER)):
         raise WorkdirError(f"{path} is not an ocformer work directory (no {RUN_MARKER})")
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             config = validate(from_dict(json.load(f)))
     except (OSError, json.JSONDecodeError) as e:
-        raise WorkdirError(f"{path}/config.json cannot be read ({e})") from None
+        raise WorkdirError(
+            f"{path}/config.json cannot be read ({e}). Restore it; or delete it, and "
+            "rerunning the run's `python -m ocformer.train` command writes it again from the "
+            "configuration its newest checkpoint records"
+        ) from None
     config = _anchored(config, path)
     if (changed := dataset_change(path, config)) is not None:
         raise WorkdirError(
@@ -372,9 +382,16 @@ def _restore_despite_rotation(checkpoints: CheckpointManager, step, template_for
             )
         try:
             return checkpoints.restore(chosen, template_for(checkpoints, chosen)), chosen
-        except CheckpointError:
+        except CheckpointError as e:
             if chosen in checkpoints.steps() and os.path.isdir(checkpoints.path(chosen)):
-                raise  # still there: damaged, as the error says
+                # Still there: damaged, as the error says; a reader may take another.
+                if earlier := [s for s in checkpoints.steps() if s < chosen]:
+                    e.args = (
+                        f"{e} Its earlier committed steps are {earlier}: read one with "
+                        "--step (ocformer.evaluate, ocformer.export) or "
+                        "load_run(workdir, step).",
+                    )
+                raise
             if step is not None:
                 raise WorkdirError(
                     f"the checkpoint of step {step} in {path} was deleted while it was "

@@ -317,9 +317,15 @@ class RunDirectory:
                 if not isinstance(self.stored_config, dict):
                     raise ValueError("not a JSON object")
             except (OSError, ValueError) as e:
+                recover = (
+                    f"; or delete it, and the newest checkpoint ({checkpoints.path(latest)}), "
+                    "which records the configuration that wrote it, restores it"
+                    if latest is not None
+                    else ""
+                )
                 raise WorkdirError(
                     f"{self.config_path} cannot be read ({e}); it describes the run in this "
-                    "directory. Restore it, or use a new --workdir"
+                    f"directory. Restore it, or use a new --workdir{recover}"
                 ) from None
         if latest is None:
             return {}  # nothing to resume: the new run replaces an empty history
