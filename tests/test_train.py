@@ -134,7 +134,7 @@ def _checkpoint_arrays(workdir, step):
     return mgr._orbax().restore(mgr.path(step))
 
 
-def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
+def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(_loop, "make_train_step", nan_at_update(3))
     config = resolve(
         SMOKE,
@@ -149,6 +149,10 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     )
     summary = train(config, str(tmp_path))
     assert summary["skipped_steps"] == 1
+    # Said at the end, as a run whose every update is skipped would otherwise end quietly.
+    assert "warning: 1 of the run's 4 updates were non-finite and skipped" in (
+        capsys.readouterr().err
+    )
     records = read_metrics(tmp_path)
     assert [r["skipped_steps"] for r in records] == [0, 0, 1, 1]
     assert records[2]["loss"] == "nan" and math.isfinite(records[3]["loss"])

@@ -435,6 +435,16 @@ def train(
         run.finish(summary)
     if is_primary():
         _print_summary(summary)
+        if loop.skipped:
+            print(
+                f"ocformer: warning: {loop.skipped} of the run's {loop.step} updates were "
+                "non-finite and skipped (train.on_nonfinite=skip): the parameters are those "
+                "of the last update applied. Lower optimiser.learning_rate or clip the "
+                "gradient (optimiser.clip_norm), or stop at the first with "
+                "train.on_nonfinite=abort",
+                file=sys.stderr,
+                flush=True,
+            )
     return summary
 
 
