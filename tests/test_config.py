@@ -403,7 +403,8 @@ def test_task_refusal_is_a_usage_error(tmp_path, capsys):
     argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run"), "--set", "task.seq_len=15"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert "task (copy)" in err and "even integer" in err
+    assert "error: task.seq_len: must be an even integer >= 2" in err
+    assert "got 15 (the copy task)" in err
 
 
 def test_sampling_a_task_without_text_is_a_usage_error(tmp_path, capsys):

@@ -292,7 +292,7 @@ class _Text(AbstractTextTask):
 
     def encode(self, text):
         if set(text) - {"a", "b"}:
-            raise ValueError(f"characters {sorted(set(text) - {'a', 'b'})} are not in 'ab'")
+            raise ValueError(f"characters {sorted(set(text) - {'a', 'b'})} are not in 'ab'.")
         return np.array([text.index(c) for c in text], np.int32)
 
     def decode(self, tokens):
@@ -302,7 +302,7 @@ class _Text(AbstractTextTask):
 @pytest.mark.parametrize(
     ("prompt", "words"),
     [("", ["'' encodes to no symbols", "set train.sample_tokens=0"]),
-     ("abc", ["'abc' cannot be encoded: characters ['c'] are not in 'ab'"])],
+     ("abc", ["'abc' cannot be encoded: characters ['c'] are not in 'ab'; or set"])],
 )  # fmt: skip
 def test_a_prompt_the_task_cannot_encode_is_refused_before_the_run(prompt, words):
     """Sampling's prompt is checked when the run is built, not at its first evaluation

@@ -90,7 +90,14 @@ def build_task(config: Config):
     except FileNotFoundError:
         raise  # DataNotFoundError: reported as such, with its fix
     except ValueError as e:
-        raise ConfigError(f"task ({config.task.name})", str(e)) from None
+        # A task's refusal that starts with one of its fields is that field's.
+        text = str(e)
+        name, _, rest = text.partition(" ")
+        if name in {f.name for f in dataclasses.fields(config.task)}:
+            raise ConfigError(
+                f"task.{name}", f"{rest.rstrip('.')} (the {config.task.name} task)"
+            ) from None
+        raise ConfigError(f"task ({config.task.name})", text) from None
 
 
 def _dtype(config: Config):
@@ -412,7 +419,7 @@ def _check_prompt(prompt: str, task: AbstractTextTask) -> None:
     except ValueError as e:
         raise ConfigError(
             "train.sample_prompt",
-            f"{prompt!r} cannot be encoded: {e}; or set train.sample_tokens=0",
+            f"{prompt!r} cannot be encoded: {str(e).rstrip('.')}; or set train.sample_tokens=0",
         ) from None
     if len(tokens) == 0:
         raise ConfigError(
