@@ -701,9 +701,48 @@ def test_launch_local_stops_the_others_when_one_fails(tmp_path, capsys):
     code = launch_local(2, ["--config", missing, "--workdir", str(tmp_path / "run")])
     assert code == 2
     err = capsys.readouterr().err
-    assert re.search(r"process [01] \(pid \d+\) exited with code 2; stopping", err), err
+    assert re.search(r"process [01] \(pid \d+\) exited with code 2; (stopping the other "
+                     r"processes|the others had ended too: process [01] exited with code 2)",
+                     err), err  # fmt: skip
     assert time.monotonic() - started < 120
     assert not (tmp_path / "run").exists()
+
+
+def test_the_launcher_stops_only_processes_still_running(capsys):
+    """Processes that had all ended when the first failure was seen are described as
+    such, not as being stopped."""
+    from ocformer.distributed._launcher import _Stop, _supervise
+
+    procs = [subprocess.Popen([sys.executable, "-c", f"raise SystemExit({c})"]) for c in (2, 3)]
+    for p in procs:
+        p.wait()
+    assert _supervise(procs, 1.0, _Stop(procs)) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"process 0 (pid {procs[0].pid}) exited with code 2; the others had ended too: "
+        "process 1 exited with code 3" in err
+    ), err
+    assert "stopping" not in err
+
+
+@pytest.mark.parametrize(
+    "signum, killed, code, exit_code, line",
+    [
+        (signal.SIGTERM, False, 143, 143, "stopped by SIGTERM: the processes checkpointed; rerun"),
+        (signal.SIGHUP, False, 1, 1, "stopped by SIGHUP: the processes ended with code 1; the"),
+        (signal.SIGINT, False, 143, 130, "interrupted: the processes checkpointed; rerun"),
+        (signal.SIGINT, True, 137, 130, "interrupted: the processes were killed; the newest"),
+        (None, False, 0, 0, ""),
+    ],
+)
+def test_a_stopped_launch_says_how_it_ended(signum, killed, code, exit_code, line, capsys):
+    from ocformer.distributed._launcher import _Stop, _stopped
+
+    stop = _Stop([])
+    stop.signum, stop.killed = signum, killed
+    assert _stopped(stop, code) == exit_code
+    err = capsys.readouterr().err
+    assert line in err and (line or not err), err
 
 
 @pytest.mark.slow

@@ -165,6 +165,12 @@ def launch_local(
     for p in procs:
         if p.stdout is not None:
             p.stdout.close()
+    return _stopped(stop, code)
+
+
+def _stopped(stop: "_Stop", code: int) -> int:
+    """The launch's exit code, with a line saying how it ended if a signal stopped it:
+    130 after Ctrl-C, else the processes' code (143 when they all checkpointed)."""
     if stop.signum == signal.SIGINT:
         if code == 143:
             _say("interrupted: the processes checkpointed; rerun the command to resume")
@@ -173,6 +179,13 @@ def launch_local(
             _say(f"interrupted: the processes {how}; the newest committed checkpoint is the "
                  "resume point")  # fmt: skip
         return 130
+    if stop.signum is not None:  # SIGTERM or SIGHUP
+        name = signal.Signals(stop.signum).name
+        if code == 143:
+            _say(f"stopped by {name}: the processes checkpointed; rerun the command to resume")
+        else:
+            _say(f"stopped by {name}: the processes ended with code {code}; the newest "
+                 "committed checkpoint is the resume point")  # fmt: skip
     return code
 
 
@@ -224,10 +237,16 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, stop: "_Stop") -> 
         if failed:
             i, c = failed[0]
             if stop.signum is None:
-                _say(
-                    f"process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
-                    f"processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
+                others = [j for j, other in enumerate(codes) if other is None]
+                then = (
+                    f"stopping the other processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
+                    if others
+                    else "the others had ended too: "
+                    + ", ".join(
+                        f"process {j} {_describe(codes[j])}" for j in range(len(procs)) if j != i
+                    )
                 )
+                _say(f"process {i} (pid {procs[i].pid}) {_describe(c)}; {then}")
             stop_processes(procs, grace_s)
             for p in procs:
                 p.wait()  # ended; collect the exit codes
