@@ -467,6 +467,26 @@ def test_flipped_bytes_fall_back_to_the_previous_checkpoint(reference, tmp_path,
     assert checkpoints.read_marker(STEPS)["sha256"] == saved
 
 
+def test_interrupted_saves_are_removed_with_a_warning(reference, tmp_path, capsys):
+    """A save a SIGKILL cut short (orbax's temporary directory, a step without its
+    commit marker) is removed when the run resumes, and the warning names it."""
+    workdir = copy_of(reference, tmp_path)
+    checkpoints = workdir / "checkpoints"
+    (checkpoints / f"step_{STEPS + 4}.orbax-checkpoint-tmp-5").mkdir()
+    (checkpoints / f"step_{STEPS + 8}").mkdir()
+    capsys.readouterr()
+    assert cli.main(argv(workdir)) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"warning: removed 2 interrupted checkpoint save(s) in {checkpoints} (never "
+        f"committed): step_{STEPS + 4}.orbax-checkpoint-tmp-5, step_{STEPS + 8}" in err
+    ), err
+    assert CheckpointManager(str(checkpoints)).steps()[-1] == STEPS
+    assert not [n for n in os.listdir(checkpoints) if not n.removeprefix("step_").isdigit()]
+    assert cli.main(argv(workdir)) == 0
+    assert "interrupted checkpoint" not in capsys.readouterr().err
+
+
 def test_a_full_disk_is_one_message_and_leaves_no_partial_checkpoint(
     reference, tmp_path, monkeypatch, capsys
 ):

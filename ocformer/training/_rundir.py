@@ -393,8 +393,11 @@ class RunDirectory:
             primary=self.primary,
             barrier=self._barrier,
         )
-        if self.primary:
-            self.checkpoints.clean()
+        if self.primary and (removed := self.checkpoints.clean()):
+            _warn(
+                f"removed {len(removed)} interrupted checkpoint save(s) in "
+                f"{self.checkpoints.directory} (never committed): {', '.join(removed)}"
+            )
         self._barrier("ocformer:rundir:claimed")
         step, restored = self._restore(template)
         if not self.primary:
