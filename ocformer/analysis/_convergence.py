@@ -348,10 +348,13 @@ def _scheme_study(
     if relaxation_eps is not None:
         entry["dt_over_eps"] = [dt / relaxation_eps for dt in dts]
     if sub_solver != "euler":
-        entry["note"] = (
-            f"{name}: its explicit sub-flows use the {sub_solver} rule, since Euler "
-            "sub-steps would make a second-order splitting first order."
+        why = (
+            "since Euler sub-steps would make a second-order splitting first order"
+            if expected is not None and expected >= 2
+            else "as the study's other splittings do (this one is first order with any "
+            "sub-flows)"
         )
+        entry["note"] = f"{name}: its explicit sub-flows use the {sub_solver} rule, {why}."
     return entry
 
 
