@@ -9,10 +9,13 @@ Transformer; coarse: one Lie step per chunk on the layer-mean controls), with ra
 controls at the default initialisation and N = D chunks, one per depth device.
 Measured here, on one CPU device:
 
-- the cost of a jitted forward solve over c layers (c = 1, ..., L), fitted by
-  least squares as t(c) = a + b c (a: the cost of a call, b: of a layer; the fit
-  smooths the noise of a shared machine): a fine chunk of c layers costs t(c), a
-  coarse step t(1) (a coarse step is one Lie step, whatever the span of its chunk);
+- the cost t(c) of a jitted forward solve over c layers, the median of ``--repeats``
+  interleaved rounds, for every c the prediction uses: a fine chunk of c layers costs t(c), and a
+  serial sweep of the N coarse steps (each one Lie step, whatever the span of its
+  chunk) t(N). The prediction uses these medians themselves; the least-squares line
+  t(c) = a + b c is reported beside them (a: the cost of a call, b: of a layer), not
+  used: its intercept, charged once per coarse step, would count a call's overhead N
+  times in a sweep that is one loop;
 - the iterations K(L, N) for the boundary state u(T) to be within ``--tol`` (relative,
   max norm) of the serial solve's, up to ``--max-iterations``;
 - the bytes the compiled program communicates per iteration on D = 2, 4, 8 forced CPU
@@ -23,12 +26,12 @@ Predicted, for a machine of D devices each as fast as this CPU device, linked wi
 latency ``--latency`` and bandwidth ``--bandwidth``:
 
     T_serial = t(L)
-    T_D = N t(1) + K (t(L / N) + N t(1) + ceil(log2 D) latency + bytes(D) / bandwidth)
+    T_D = t(N) + K (t(L / N) + t(N) + ceil(log2 D) latency + bytes(D) / bandwidth)
 
 (the coarse guess, then K iterations of one parallel fine sweep, one serial coarse
 sweep and one gather). The speed-up T_serial / T_D is a prediction: no machine with
 several accelerators was available, and forced CPU devices share one machine's cores.
-``compute_only`` leaves the communication out; it depends on the ratios t(c) / t(1)
+``compute_only`` leaves the communication out; it depends on the ratios of the t(c)
 only, not on how fast a device is.
 """
 
@@ -77,20 +80,21 @@ def _inputs(batch: int):
     return jax.random.normal(jax.random.PRNGKey(1), (batch, CONTEXT, WIDTH), jnp.float32)
 
 
-def _median_time(fn, arg, repeats: int) -> float:
-    jax.block_until_ready(fn(arg))  # compiled and warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(arg))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def chunk_costs(spans, batch: int, repeats: int) -> dict[int, float]:
-    """t(c): the median time of a jitted forward solve over c layers."""
+    """t(c): the median time of a jitted forward solve over c layers, over ``repeats``
+    interleaved rounds (each round times every c once, so that a load that comes and
+    goes on a shared machine falls on all of them alike)."""
     u0 = _inputs(batch)
-    return {c: _median_time(eqx.filter_jit(_model(c)), u0, repeats) for c in spans}
+    solves = {c: eqx.filter_jit(_model(c)) for c in spans}
+    for solve in solves.values():
+        jax.block_until_ready(solve(u0))  # compiled and warm
+    times: dict[int, list[float]] = {c: [] for c in spans}
+    for _ in range(repeats):
+        for c, solve in solves.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(solve(u0))
+            times[c].append(time.perf_counter() - t0)
+    return {c: statistics.median(v) for c, v in times.items()}
 
 
 def iterations_needed(layers: int, chunks: int, batch: int, tol: float, cap: int):
@@ -129,11 +133,12 @@ def linear_fit(costs: dict[int, float]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def predict(cost, layers, devices, k, comm_bytes, latency, bandwidth) -> dict:
-    a, b = cost
-    t = {c: a + b * c for c in {1, layers, layers // devices}}
+def predict(t, layers, devices, k, comm_bytes, latency, bandwidth) -> dict:
+    """The predicted times and speed-up from ``t``, the measured cost of a forward
+    solve over c layers for every c used (L, N and L / N)."""
     chunks = devices
-    compute = chunks * t[1] + k * (t[layers // chunks] + chunks * t[1])
+    coarse_sweep = t[chunks]  # N coarse steps in one serial loop
+    compute = coarse_sweep + k * (t[layers // chunks] + coarse_sweep)
     comm = k * (math.ceil(math.log2(devices)) * latency + comm_bytes / bandwidth)
     return {
         "serial_s": t[layers],
@@ -153,19 +158,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=positive_int, default=1, help="sequences per solve")
     p.add_argument("--tol", type=positive_float, default=1e-3, help="relative error of u(T)")
     p.add_argument("--max-iterations", type=positive_int, default=16)
-    p.add_argument("--repeats", type=positive_int, default=7)
+    p.add_argument("--repeats", type=positive_int, default=15, help="interleaved timing rounds")
     p.add_argument("--latency", type=positive_float, default=5e-6, help="seconds per message hop")
     p.add_argument("--bandwidth", type=positive_float, default=100e9, help="bytes per second")
     p.add_argument("--json", default=None, type=output_file, help="write the results here")
     args = p.parse_args(argv)
     layers_list = LAYERS[:2] if args.quick else LAYERS
-    spans = sorted({1, *layers_list, *(L // d for L in layers_list for d in _devices_for(L))})
+    devices_used = {d for L in layers_list for d in _devices_for(L)}
+    spans = sorted({
+        1, *layers_list, *devices_used, *(L // d for L in layers_list for d in _devices_for(L))
+    })  # fmt: skip
     started = time.perf_counter()
     t = chunk_costs(spans, args.batch, args.repeats)
     fit = linear_fit(t)
     print("the forward solve over c layers (ms):",
           ", ".join(f"{c}: {1e3 * v:.2f}" for c, v in t.items()),
-          f"; fit t(c) = {1e3 * fit[0]:.3f} + {1e3 * fit[1]:.3f} c")  # fmt: skip
+          f"; least-squares line (not used) t(c) = {1e3 * fit[0]:.3f} + "
+          f"{1e3 * fit[1]:.3f} c")  # fmt: skip
     comm = {}
     for d in (2, 4, 8):
         comm[d] = bytes_per_iteration(d, 24, args.batch)
@@ -180,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             comm_bytes = comm[devices][0] if devices in comm else slope * devices
             row = {"layers": layers, "devices": devices, "iterations": k, "errors": errors}
             if k is not None:
-                row.update(
-                    predict(fit, layers, devices, k, comm_bytes, args.latency, args.bandwidth)
-                )
+                row.update(predict(t, layers, devices, k, comm_bytes, args.latency, args.bandwidth))
             rows.append(row)
             print(row["layers"], row["devices"], k, row.get("speedup"), flush=True)
     print(f"\n| L | D = N | K (tol {args.tol:g}) | predicted speed-up | compute only |")
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 "latency_s": args.latency,
                 "bandwidth_bytes_per_s": args.bandwidth,
                 "chunk_cost_s": {str(c): v for c, v in t.items()},
-                "chunk_cost_fit_s": {"a": fit[0], "b": fit[1]},
+                "chunk_cost_line_s": {"a": fit[0], "b": fit[1], "used": False},
                 "bytes_per_iteration": {str(d): b for d, (b, _) in comm.items()},
                 "collectives": {str(d): kinds for d, (_, kinds) in comm.items()},
                 "note": "a prediction: devices as fast as this CPU device; no machine with "
