@@ -137,6 +137,7 @@ def test_costates_match_finite_differences_through_the_solve():
         assert abs(float(jnp.vdot(result.costates[2], v)) - float(fd)) < 1e-9
 
 
+@pytest.mark.slow
 def test_substep_costates_match_finite_differences():
     """Strang on the two pre-LN terms has three sub-flows per step: the costate after
     each is the central difference of J under a perturbation added there (through the
@@ -188,6 +189,7 @@ def test_terminal_loss_is_the_objective():
     )
 
 
+@pytest.mark.slow
 def test_discretisation_study_order_of_heun():
     """A smooth-control model under Heun at m = 4, 8, 16 against Tsit5 at 64: the
     distance of u(T) falls at Heun's order (fitted slope 2 +- 0.3); Lie on a smooth
@@ -373,6 +375,7 @@ def test_benettin_converges_to_the_exponents_as_the_horizon_grows():
     )
 
 
+@pytest.mark.slow
 def test_lyapunov_refinement_converges():
     """Heun on the transformer's flow: the exponents at m = 2, 4, 8 approach those at
     m = 16 at Heun's order (fitted slope measured 2.0; from m = 1 to 2 the local slope

@@ -6,6 +6,7 @@ import glob
 import os
 
 import numpy as np
+import pytest
 
 from ocformer.config import OptimiserConfig, resolve
 from ocformer.objective import Objective
@@ -102,6 +103,7 @@ def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
         jax.config.update("jax_compilation_cache_dir", previous)
 
 
+@pytest.mark.slow
 def test_a_second_process_loads_the_training_step_from_the_cache(tmp_path):
     """The training and evaluation steps of a constant-step run call nothing back on the
     host (the grid's controller and the solve have no run-time checks), so JAX writes

@@ -154,6 +154,7 @@ def test_cvt_stack_is_a_discretisation(rng):
     assert 1e-3 < rel_err(fine(jnp.asarray(u0)), ref) < 1.0
 
 
+@pytest.mark.slow
 def test_digits_cvt_experiment_builds_from_its_config(tmp_path):
     """experiments/digits_cvt.py selects the convolutional projections by config
     (model.attention=conv): the built model has them, and a training step runs through

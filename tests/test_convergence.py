@@ -16,7 +16,7 @@ def test_fitted_slope_is_exact_on_power_laws():
     assert abs(fitted_slope(dts, [3 * h**2 for h in dts]) - 2.0) < 1e-12
 
 
-@pytest.mark.parametrize("formulation", ["pre", "projected"])
+@pytest.mark.parametrize("formulation", ["pre", pytest.param("projected", marks=pytest.mark.slow)])
 def test_lie_and_strang_orders(formulation):
     result = convergence_study(
         ["lie", "strang"], STEPS, formulation=formulation, reference_factor=4

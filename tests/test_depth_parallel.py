@@ -87,11 +87,8 @@ def _max_abs(tree) -> float:
     return max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(tree))
 
 
-@pytest.mark.parametrize(
-    # pre-LN (Strang fine, Lie coarse): the slow tier (29 s on the idle 2-core machine)
-    "case",
-    [pytest.param(c, marks=pytest.mark.slow) if c == "pre" else c for c in sorted(CASES)],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_as_many_iterations_as_chunks_is_the_serial_solve(case, inputs):
     make, kwargs = CASES[case]
     serial = make()
@@ -125,7 +122,7 @@ def _boundary_errors(serial, iterates, chunks):
 @pytest.mark.parametrize(
     "init_scale, factor",
     # The measured errors (printed with -s) fall by these factors at least per iteration.
-    [(0.3, 10.0), (1.0, 1.5)],
+    [pytest.param(0.3, 10.0, marks=pytest.mark.slow), (1.0, 1.5)],
 )
 def test_error_falls_every_iteration_and_is_rounding_at_the_last(init_scale, factor, inputs):
     serial = _pre_ln(init_scale)

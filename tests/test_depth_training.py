@@ -148,6 +148,7 @@ def test_bad_depth_training_is_refused_by_name(overrides, field, words, tmp_path
     assert field in err and words in err
 
 
+@pytest.mark.slow
 def test_a_depth_parallel_run_is_evaluated_as_trained_and_serially(tmp_path, capsys):
     """``ocformer.evaluate`` of a depth-parallel run gives its training's validation loss
     (the depth-parallel solve), without solver counts (many chunk solves are not one

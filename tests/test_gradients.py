@@ -201,15 +201,8 @@ def test_exact_methods_match_finite_differences(method):
         assert abs(g - directional_fd(OBJECTIVE, model, BATCH, unit)) <= 1e-9 * max(abs(g), 1e-3)
 
 
-@pytest.mark.parametrize(
-    "method",
-    [
-        pytest.param("direct", marks=pytest.mark.slow),
-        pytest.param("stored", marks=pytest.mark.slow),
-        pytest.param("stored_dots", marks=pytest.mark.slow),
-        "stored_projections",
-    ],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["direct", "stored", "stored_dots", "stored_projections"])
 def test_hessian_vector_products_match_finite_differences_of_the_gradient(method):
     """Reverse over reverse (a Hessian-vector product) and forward mode work through
     ``Direct`` and the stored methods: the HVP equals the central difference of the
@@ -342,6 +335,7 @@ def test_otd_on_pre_ln_vmaps():
     assert relative_gap(mean, value_and_grad(objective, model, BATCH)) < 1e-10
 
 
+@pytest.mark.slow
 def test_otd_of_a_float32_model_walks_a_float32_grid_back_under_x64():
     """With 64-bit JAX on (this suite), the backward grid of a float32 model is float32
     as the forward's times are (it was JAX's default float64: the backward solve failed

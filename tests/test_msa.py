@@ -60,8 +60,12 @@ def _max_diff(a, b) -> float:
 
 @pytest.mark.parametrize(
     "norm, steps_per_layer, beta",
-    # two steps per layer: the slow tier (24 s on the idle 2-core machine)
-    [("pre", 1, 0.0), ("post", 1, 0.05), pytest.param("pre", 2, 0.05, marks=pytest.mark.slow)],
+    # post-LN and two steps per layer: the slow tier (24 s each on the idle 2-core machine)
+    [
+        ("pre", 1, 0.0),
+        pytest.param("post", 1, 0.05, marks=pytest.mark.slow),
+        pytest.param("pre", 2, 0.05, marks=pytest.mark.slow),
+    ],
 )
 def test_one_plain_step_without_penalty_is_a_gradient_step(norm, steps_per_layer, beta):
     """rho = 0, one step of sgd(eta) on the summed Hamiltonian: the new controls are
@@ -204,6 +208,7 @@ def _losses(rho, iterations=15):
     return np.asarray(losses + [float(metrics["loss_after"])])
 
 
+@pytest.mark.slow
 def test_j_decreases_at_every_iteration_above_the_penalty_threshold():
     """The small pre-LN model on one batch, 40 inner sgd steps of 0.02 per iteration,
     rho fixed: with rho = 1 (above the threshold, measured between 0.3 and 0.6; see

@@ -117,10 +117,17 @@ def _loop_dots(jaxpr, in_loop=False):
     [
         [],  # pre-LN, Lie, one step per layer
         ["discretisation.steps_per_layer=2", "discretisation.gradient=stored"],
-        ["model.norm=post", "model.activation=relu"],
-        ["model.norm=post", "model.formulation=projected", "controls.norm_affine=scalar"]
-        + ["discretisation.steps_per_layer=2"],
-        ["discretisation.stepper=strang", "discretisation.sub_solver=midpoint"],
+        # The other norms, formulations and schemes: the slow tier.
+        pytest.param(["model.norm=post", "model.activation=relu"], marks=pytest.mark.slow),
+        pytest.param(
+            ["model.norm=post", "model.formulation=projected", "controls.norm_affine=scalar"]
+            + ["discretisation.steps_per_layer=2"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["discretisation.stepper=strang", "discretisation.sub_solver=midpoint"],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["pre", "pre-m2-stored", "post", "projected-m2", "strang-midpoint"],
 )

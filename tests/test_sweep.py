@@ -968,6 +968,7 @@ def test_progress_line_counts_and_eta():
 # -- evaluation ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_with_an_adjoint_gradient_is_evaluated_under_a_splitting_scheme(tmp_path, capsys):
     """Optimise-then-discretise is refused under a splitting scheme for training; an
     evaluation computes no gradient, so its trained gradient gives way to the default,

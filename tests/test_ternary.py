@@ -109,6 +109,7 @@ def test_straight_through_gradient_is_the_gradient_at_the_ternary_kernels():
     assert float(jnp.max(jnp.abs(real - feedforward_kernels(grads_ste)[0]))) > 1e-4
 
 
+@pytest.mark.slow
 def test_discrete_msa_lowers_j_and_keeps_the_kernels_ternary():
     """The small pre-LN model on one batch: 8 discrete-MSA iterations (eta = 2,
     alpha = 1; 5 inner Adam steps of 1e-2 on the other controls, rho = 1) lower J

@@ -185,6 +185,7 @@ def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path, monkeypatch)
     assert [r["step"] for r in read_metrics(tmp_path / "lib")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_an_overflowing_optimiser_state_is_found_at_its_step(tmp_path):
     """A gradient finite in every entry but large enough for Adam's second moment to
     overflow leaves the parameters finite (the update m / sqrt(inf) is zero) and the
