@@ -351,8 +351,7 @@ def _scheme_study(
         why = (
             "since Euler sub-steps would make a second-order splitting first order"
             if expected is not None and expected >= 2
-            else "as the study's other splittings do (this one is first order with any "
-            "sub-flows)"
+            else "as the study's other splittings do (this one is first order with any sub-flows)"
         )
         entry["note"] = f"{name}: its explicit sub-flows use the {sub_solver} rule, {why}."
     return entry

@@ -237,14 +237,12 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, stop: "_Stop") -> 
         if failed:
             i, c = failed[0]
             if stop.signum is None:
-                others = [j for j, other in enumerate(codes) if other is None]
+                ended = [(j, e) for j, e in enumerate(codes) if j != i and e is not None]
                 then = (
                     f"stopping the other processes (SIGTERM, SIGKILL after {grace_s:.0f}s)"
-                    if others
+                    if len(ended) < len(procs) - 1
                     else "the others had ended too: "
-                    + ", ".join(
-                        f"process {j} {_describe(codes[j])}" for j in range(len(procs)) if j != i
-                    )
+                    + ", ".join(f"process {j} {_describe(e)}" for j, e in ended)
                 )
                 _say(f"process {i} (pid {procs[i].pid}) {_describe(c)}; {then}")
             stop_processes(procs, grace_s)
