@@ -334,8 +334,8 @@ def _otd_projected_needs_continuous_controls(c: Choices) -> Refusal | None:
             "boundary, the state jumps with it (the projection onto the new S1), and the "
             "continuous adjoint of the tangent field cannot see those jumps, so its "
             "gradient does not converge (measured relative gap to the exact gradient "
-            "0.87 -> 0.81 from 2 to 8 steps per layer). Use controls.kind="
-            "piecewise_linear or basis (gap 0.58 -> 0.17), or "
+            "0.876 -> 0.803 from 2 to 8 steps per layer). Use controls.kind="
+            "piecewise_linear or basis (gap 0.384 -> 0.0993), or "
             "gradient=discretise_then_optimise",
         )
     return None
