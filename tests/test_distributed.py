@@ -266,6 +266,38 @@ def test_a_work_directory_that_the_processes_do_not_share_is_refused_by_all(env,
         assert not (tmp_path / f"run{i}" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group(name="distributed")
+def test_a_work_directory_in_use_is_refused_by_all_processes(env, tmp_path):
+    """Two processes started by hand on a directory another run holds: process 0 cannot
+    take the lock and the other learns it from process 0, so both exit 2 together
+    (before, the other waited at the next barrier until JAX's coordination service
+    aborted it: exit 134). The holder's lock is untouched."""
+    from test_workdir_lock import hold, kill
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    holder = hold(workdir, env)
+    try:
+        address = f"127.0.0.1:{_free_port()}"
+        procs = _start_each(
+            [
+                [sys.executable, "-m", "ocformer.train", *_train_command(workdir),
+                 "--coordinator", address, "--num-processes", "2", "--process-id", str(i)]
+                for i in range(2)
+            ],
+            {**env, "OCFORMER_DISTRIBUTED_TIMEOUT_S": "60"},
+        )  # fmt: skip
+        errs = [p.communicate(timeout=600)[1] for p in procs]
+        assert [p.returncode for p in procs] == [2, 2], [e[-3000:] for e in errs]
+        assert f"pid {holder.pid}" in " ".join(errs[0].split()), errs[0][-3000:]
+        assert "process 0 could not claim the work directory" in errs[1], errs[1][-3000:]
+        assert holder.poll() is None
+        assert sorted(os.listdir(workdir)) == [".lock"]
+    finally:
+        kill(holder)
+
+
 _MESHES = """
 import json, os, sys, tempfile
 import equinox as eqx, jax, numpy as np

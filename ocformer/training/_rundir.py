@@ -378,14 +378,19 @@ class RunDirectory:
         """
         # Every process has inspected the directory before the primary one writes.
         self._barrier("ocformer:rundir:checked")
+        refused: WorkdirError | None = None
         if self.primary:
-            self._lock_directory()
-            # Another writer may have run between check() and the lock: what it left is
-            # inspected again, under the lock, before anything is written.
-            changes = self.check(
-                config, allow_config_change=self._allow_config_change or bool(changes)
-            )
-            self._claim()
+            try:
+                self._lock_directory()
+                # Another writer may have run between check() and the lock: what it left
+                # is inspected again, under the lock, before anything is written.
+                changes = self.check(
+                    config, allow_config_change=self._allow_config_change or bool(changes)
+                )
+                self._claim()
+            except WorkdirError as e:
+                refused = e
+        self._agree_on_claim(refused)
         self._check_shared()
         self.checkpoints = CheckpointManager(
             os.path.join(self.path, "checkpoints"),
@@ -451,6 +456,25 @@ class RunDirectory:
                 f"work directory {self.path} cannot be created or written: {e.strerror}"
             ) from None
         self._lock.acquire()
+
+    def _agree_on_claim(self, refused: WorkdirError | None) -> None:
+        """Every process learns whether the primary one claimed the directory, so that a
+        refusal (another run holds it, or changed it since ``check``) ends all of them
+        together with exit 2, instead of leaving the others waiting at the next barrier
+        until JAX's coordination service aborts them.
+
+        Raises:
+            WorkdirError: on the primary process its own refusal; on the others, one
+                that points to it.
+        """
+        if jax.process_count() > 1 and self._any_process is not None:
+            if self._any_process(refused is not None) and refused is None:
+                raise WorkdirError(
+                    f"process 0 could not claim the work directory {self.path} (its message "
+                    "says why: e.g. another run is writing to it); this process stops too"
+                )
+        if refused is not None:
+            raise refused
 
     def _check_shared(self) -> None:
         """In a run of several processes (``any_process`` given), that every process
