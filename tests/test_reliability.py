@@ -8,6 +8,8 @@ so its steps are cached with equinox's checks left on); solver failures are test
 in-process (tests/test_train.py).
 """
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -362,6 +364,25 @@ def test_corrupted_checkpoint_is_refused_quietly(env, reference, tmp_path, files
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert "corrupted" in lines[0] and f"step_{STEPS}" in lines[0]
+    earlier = CheckpointManager(str(workdir / "checkpoints")).steps()[:-1]
+    assert earlier, "the reference keeps earlier checkpoints"
+    assert f"earlier committed steps are {earlier}: with it deleted the run resumes from " \
+        f"step {earlier[-1]}" in lines[0], lines[0]
+    if files == "arrays":
+        # The array orbax cannot read is named as the marker records it, which is how
+        # ocformer.evaluate names it too (it restores into another structure).
+        # (Orbax reads the arrays concurrently: which one fails first varies.)
+        with open(os.path.join(step_dir, MARKER), encoding="utf-8") as f:
+            leaves = json.load(f)["leaves"]
+        from ocformer import evaluate
+
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert evaluate.main([str(workdir)]) == 2
+        for message in (lines[0], err.getvalue()):
+            match = re.search(r"array (\d{6}) is (\S+?)\)", message)
+            assert match, message
+            assert match[2] == leaves[int(match[1])]["path"], message
+            assert match[2].startswith(".params."), message
 
 
 def test_corrupted_marker_is_refused(reference, tmp_path, capsys):

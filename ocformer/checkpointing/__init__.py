@@ -10,6 +10,7 @@ from ._manager import (
     CheckpointError as CheckpointError,
     CheckpointManager as CheckpointManager,
     ChecksumMismatch as ChecksumMismatch,
+    CorruptedCheckpoint as CorruptedCheckpoint,
     DiskFullError as DiskFullError,
     NonFiniteCheckpointError as NonFiniteCheckpointError,
 )

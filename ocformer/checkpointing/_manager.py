@@ -48,6 +48,11 @@ class CheckpointError(RuntimeError):
     of a different shape). The command line reports it and exits with code 2."""
 
 
+class CorruptedCheckpoint(CheckpointError):
+    """A committed checkpoint whose files cannot be read back (its marker or its array
+    data is damaged): unlike a ``ChecksumMismatch`` the damage is loud, not silent."""
+
+
 class ChecksumMismatch(CheckpointError):
     """A committed checkpoint whose arrays read back with other bytes than were saved
     (their SHA-256 differs from the one its marker records)."""
@@ -342,7 +347,7 @@ class CheckpointManager:
             if not isinstance(record, dict) or "leaves" not in record:
                 raise ValueError("missing 'leaves'")
         except (OSError, ValueError) as e:
-            raise CheckpointError(
+            raise CorruptedCheckpoint(
                 f"checkpoint {self.path(step)} is corrupted: its commit marker {MARKER} "
                 f"cannot be read ({e}). Delete that directory to resume from an earlier "
                 "checkpoint, or use a new work directory."
@@ -385,22 +390,28 @@ class CheckpointManager:
                 payload = self._orbax().restore(path, restore_args=whole)
             arrays = [np.asarray(payload[f"{i:06d}"]) for i in range(len(want))]
         except Exception as e:  # orbax raises many kinds for damaged files
-            raise CheckpointError(
+            # Orbax names an array by its key in this file ("000003"); say which it is,
+            # by the name the marker records (every reader names it alike).
+            keys = sorted({int(k) for k in re.findall(r"\b(\d{6})/", str(e))})
+            named = "".join(
+                f"; array {k:06d} is {have[k]['path']}" for k in keys if k < len(have)
+            )
+            raise CorruptedCheckpoint(
                 f"checkpoint {path} is corrupted: orbax cannot read it "
-                f"({type(e).__name__}: {str(e)[:300]}). Delete that directory to resume "
-                "from an earlier checkpoint, or use a new work directory."
+                f"({type(e).__name__}: {str(e)[:300]}{named}). Delete that directory to "
+                "resume from an earlier checkpoint, or use a new work directory."
             ) from None
-        for a, w in zip(arrays, want):
+        for a, w, h in zip(arrays, want, have):
             if list(a.shape) != w["shape"] or str(a.dtype) != w["dtype"]:
-                raise CheckpointError(
-                    f"checkpoint {path} is corrupted: {w['path']} reads back as "
+                raise CorruptedCheckpoint(
+                    f"checkpoint {path} is corrupted: {h['path']} reads back as "
                     f"{a.dtype}{list(a.shape)}, its marker says {w['dtype']}{w['shape']}."
                 )
         # Markers written before checksums were recorded have none to compare.
-        for a, w, digest in zip(arrays, want, record.get("sha256") or [None] * len(want)):
+        for a, h, digest in zip(arrays, have, record.get("sha256") or [None] * len(have)):
             if digest is not None and _sha256(a) != digest:
                 raise ChecksumMismatch(
-                    f"checkpoint {path} is corrupted: the bytes of {w['path']} differ from "
+                    f"checkpoint {path} is corrupted: the bytes of {h['path']} differ from "
                     "those saved (SHA-256 mismatch; the file was changed on disk after the "
                     "checkpoint was committed)"
                 )

@@ -26,6 +26,7 @@ from ..checkpointing import (
     CheckpointError,
     CheckpointManager,
     ChecksumMismatch,
+    CorruptedCheckpoint,
     atomic_write_text,
     remove_stale_temporaries,
 )
@@ -432,6 +433,17 @@ class RunDirectory:
         for i in range(len(steps) - 1, -1, -1):
             try:
                 restored = self.checkpoints.restore(steps[i], template)
+            except CorruptedCheckpoint as e:
+                if i == 0:
+                    raise
+                # Unreadable: the run is not resumed from an earlier step without the
+                # user's say (the damage may be a file system's), but the message says
+                # what deleting it resumes from.
+                e.args = (
+                    f"{e} Its earlier committed steps are {steps[:i]}: with it deleted "
+                    f"the run resumes from step {steps[i - 1]}.",
+                )
+                raise
             except ChecksumMismatch as e:
                 if i == 0:
                     raise CheckpointError(
