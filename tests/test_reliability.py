@@ -366,8 +366,10 @@ def test_corrupted_checkpoint_is_refused_quietly(env, reference, tmp_path, files
     assert "corrupted" in lines[0] and f"step_{STEPS}" in lines[0]
     earlier = CheckpointManager(str(workdir / "checkpoints")).steps()[:-1]
     assert earlier, "the reference keeps earlier checkpoints"
-    assert f"earlier committed steps are {earlier}: with it deleted the run resumes from " \
-        f"step {earlier[-1]}" in lines[0], lines[0]
+    assert (
+        f"earlier committed steps are {earlier}: with it deleted the run resumes from "
+        f"step {earlier[-1]}" in lines[0]
+    ), lines[0]
     if files == "arrays":
         # The array orbax cannot read is named as the marker records it, which is how
         # ocformer.evaluate names it too (it restores into another structure).

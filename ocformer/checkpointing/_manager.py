@@ -393,9 +393,7 @@ class CheckpointManager:
             # Orbax names an array by its key in this file ("000003"); say which it is,
             # by the name the marker records (every reader names it alike).
             keys = sorted({int(k) for k in re.findall(r"\b(\d{6})/", str(e))})
-            named = "".join(
-                f"; array {k:06d} is {have[k]['path']}" for k in keys if k < len(have)
-            )
+            named = "".join(f"; array {k:06d} is {have[k]['path']}" for k in keys if k < len(have))
             raise CorruptedCheckpoint(
                 f"checkpoint {path} is corrupted: orbax cannot read it "
                 f"({type(e).__name__}: {str(e)[:300]}{named}). Delete that directory to "

@@ -479,12 +479,12 @@ class RunDirectory:
             WorkdirError: on the primary process its own refusal; on the others, one
                 that points to it.
         """
-        if jax.process_count() > 1 and self._any_process is not None:
-            if self._any_process(refused is not None) and refused is None:
-                raise WorkdirError(
-                    f"process 0 could not claim the work directory {self.path} (its message "
-                    "says why: e.g. another run is writing to it); this process stops too"
-                )
+        agree = self._any_process if jax.process_count() > 1 else None
+        if agree is not None and agree(refused is not None) and refused is None:
+            raise WorkdirError(
+                f"process 0 could not claim the work directory {self.path} (its message "
+                "says why: e.g. another run is writing to it); this process stops too"
+            )
         if refused is not None:
             raise refused
 
