@@ -26,7 +26,7 @@ import jax
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError, CheckpointManager
 from .config import ConfigError, apply_overrides, load_experiment
-from .distributed import DistributedError, initialize
+from .distributed import DistributedError, initialize, lost_peer
 from .training import (
     COMPILE_CACHE_ENV,
     RUN_MARKER,
@@ -115,6 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, Preempted):
             _exit_at_once_on_interrupt()
         return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
+    except jax.errors.JaxRuntimeError as e:
+        if not lost_peer(e):
+            raise
+        # Another process ended (killed, or failed): its own report is the cause; this
+        # one says where the run stands, without the runtime's traceback.
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+        first = str(e).strip().splitlines()[0][:300]
+        return fail(
+            _PROGRAM,
+            ExitCode.PEER_LOST,
+            f"process {jax.process_index()}: a collective with the other processes failed "
+            f"({first}): another process of the run has ended; {_resume_point(args.workdir)}",
+        )
     except KeyboardInterrupt:
         _exit_at_once_on_interrupt()
         # A save the interrupt cut short is left uncommitted (the next run removes it);

@@ -583,6 +583,9 @@ def test_two_processes_equal_one_and_survive_a_killed_process(env, tmp_path):
     err = "".join(err_lines) + err
     assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "process 1 (pid" in err and "was killed by SIGKILL" in err
+    # Process 0's collective fails: one line naming the resume point, no traceback.
+    assert "Traceback" not in err, err[-5000:]
+    assert "process 0: a collective with the other processes failed" in err, err[-3000:]
     assert stopped_after < 60, stopped_after  # the launcher's grace (5 s) bounds it
     got = _losses(two)
     _assert_close(got, want, range(1, 3))
@@ -755,6 +758,45 @@ def test_the_launcher_stops_only_processes_still_running(capsys):
         "process 1 exited with code 3" in err
     ), err
     assert "stopping" not in err
+
+
+def test_the_launcher_names_the_process_that_ended_before_the_one_that_lost_it(capsys):
+    """A process whose collective failed because another one ended exits with
+    ``PEER_LOST``; when both have ended by the time the launcher looks, it reports the
+    other one (the cause), whatever their order."""
+    from ocformer.distributed import PEER_LOST
+    from ocformer.distributed._launcher import _Stop, _supervise
+    from ocformer.training import ExitCode
+
+    assert ExitCode.PEER_LOST == PEER_LOST == 5
+    procs = [
+        subprocess.Popen([sys.executable, "-c", f"raise SystemExit({PEER_LOST})"]),
+        subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"]),
+    ]
+    for p in procs:
+        p.wait()
+    assert _supervise(procs, 1.0, _Stop(procs)) == 128 + signal.SIGKILL
+    err = capsys.readouterr().err
+    assert (
+        f"process 1 (pid {procs[1].pid}) was killed by SIGKILL; the others had ended "
+        "too: process 0 exited with code 5" in err
+    ), err
+
+
+def test_only_a_transport_failure_of_several_processes_is_a_lost_peer(monkeypatch):
+    import jax
+
+    from ocformer.distributed import lost_peer
+
+    gloo = jax.errors.JaxRuntimeError(
+        "UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error: Connection reset by peer"
+    )
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes")
+    assert not lost_peer(gloo)  # one process: there is no peer to lose
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert lost_peer(gloo)
+    assert not lost_peer(oom)
+    assert not lost_peer(ValueError("Connection reset by peer"))
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,10 @@ from ._layout import (
     mesh_shape as mesh_shape,
 )
 from ._process import (
+    PEER_LOST as PEER_LOST,
     DistributedError as DistributedError,
     initialize as initialize,
+    lost_peer as lost_peer,
     process_environment as process_environment,
     process_settings as process_settings,
     wait_timeout_s as wait_timeout_s,

@@ -33,7 +33,7 @@ from typing import Any
 
 import submitit
 
-from ._process import process_environment
+from ._process import PEER_LOST, process_environment
 from ._processes import SlurmJob, slurm_job, stop_processes, supervised
 
 GRACE_S = 30.0
@@ -235,7 +235,8 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, stop: "_Stop") -> 
         codes = [p.poll() for p in procs]
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            i, c = failed[0]
+            # A process that lost a peer reports a consequence: name the cause first.
+            i, c = min(failed, key=lambda f: f[1] == PEER_LOST)
             if stop.signum is None:
                 ended = [(j, e) for j, e in enumerate(codes) if j != i and e is not None]
                 then = (

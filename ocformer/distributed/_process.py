@@ -33,6 +33,18 @@ DEFAULT_HEARTBEAT_S = 60
 # process that stops on an error should end promptly, so that launchers see it).
 SHUTDOWN_S = 15
 
+PEER_LOST = 5
+"""The exit code of a training process whose collective with the other processes failed
+because another of them ended (it is the consequence, not the cause: the launcher
+reports the process that ended first)."""
+# What XLA's collectives say when a peer has gone: gloo (CPU) and NCCL (GPU) transport
+# errors, and the coordination service's.
+_LOST_PEER = re.compile(
+    r"gloo|nccl|connection reset|connection refused|socket closed|broken pipe|"
+    r"UNAVAILABLE|heartbeat",
+    re.IGNORECASE,
+)
+
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 
@@ -258,3 +270,13 @@ def initialize(
         ) from None
     _check_counts(count, pid, timeout)
     return True
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a collective of a run of several processes that failed
+    because another process ended (a JAX runtime error naming a transport failure)."""
+    return (
+        jax.process_count() > 1
+        and isinstance(error, jax.errors.JaxRuntimeError)
+        and bool(_LOST_PEER.search(str(error)))
+    )

@@ -2,6 +2,7 @@
 
 import enum
 
+from ..distributed import PEER_LOST
 from ..integration import ADAPTIVE_STEPS_PER_LAYER
 
 
@@ -17,6 +18,8 @@ class ExitCode(enum.IntEnum):
     - ``SOLVER_FAILURE`` (3): a diffrax solve failed (``SolverFailure``).
     - ``NON_FINITE`` (4): NaN/Inf with ``train.on_nonfinite="abort"``
       (``NonFiniteError``).
+    - ``PEER_LOST`` (5): in a run of several processes, a collective failed because
+      another process ended; the newest committed checkpoint is the resume point.
     - ``PREEMPTED`` (143 = 128 + SIGTERM): stopped by SIGTERM; a checkpoint of the
       last finished step was written unless the grace period ran out first.
     """
@@ -26,6 +29,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     SOLVER_FAILURE = 3
     NON_FINITE = 4
+    PEER_LOST = PEER_LOST
     PREEMPTED = 143
 
 
