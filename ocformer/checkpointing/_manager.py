@@ -399,11 +399,12 @@ class CheckpointManager:
                 f"({type(e).__name__}: {str(e)[:300]}{named}). Delete that directory to "
                 "resume from an earlier checkpoint, or use a new work directory."
             ) from None
-        for a, w, h in zip(arrays, want, have):
-            if list(a.shape) != w["shape"] or str(a.dtype) != w["dtype"]:
+        # (The marker's shapes and dtypes are the template's: checked above.)
+        for a, h in zip(arrays, have):
+            if list(a.shape) != h["shape"] or str(a.dtype) != h["dtype"]:
                 raise CorruptedCheckpoint(
                     f"checkpoint {path} is corrupted: {h['path']} reads back as "
-                    f"{a.dtype}{list(a.shape)}, its marker says {w['dtype']}{w['shape']}."
+                    f"{a.dtype}{list(a.shape)}, its marker says {h['dtype']}{h['shape']}."
                 )
         # Markers written before checksums were recorded have none to compare.
         for a, h, digest in zip(arrays, have, record.get("sha256") or [None] * len(have)):

@@ -479,8 +479,12 @@ class RunDirectory:
             WorkdirError: on the primary process its own refusal; on the others, one
                 that points to it.
         """
-        agree = self._any_process if jax.process_count() > 1 else None
-        if agree is not None and agree(refused is not None) and refused is None:
+        someone_refused = refused is not None
+        any_process = self._any_process
+        if any_process is not None and jax.process_count() > 1:
+            # Every process takes part in the collective, the refusing one included.
+            someone_refused = any_process(someone_refused)
+        if someone_refused and refused is None:
             raise WorkdirError(
                 f"process 0 could not claim the work directory {self.path} (its message "
                 "says why: e.g. another run is writing to it); this process stops too"
