@@ -7,6 +7,15 @@ checked at run time."""
 
 import os
 import pathlib
+import re
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """jaxlib's version, read without importing jax (which reads ``XLA_FLAGS``)."""
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in re.findall(r"\d+", version("jaxlib"))[:2])
+
 
 # The suite is bound by XLA's CPU compiler: most tests compile programs that they then
 # run for a few steps. These flags cut the compile time of the smoke experiment's float64
@@ -15,11 +24,11 @@ import pathlib
 # Optimisation level 0 would compile faster still, but it rounds differently in two
 # programs that must agree bitwise (the stored gradient's forward, PID step sequences);
 # level 1 does not. Benchmarks and `make train` compile with XLA's defaults.
+# (XLA aborts on a flag it does not know, and jaxlib 0.11 has no fusion-emitter flag.)
 _FAST_COMPILE = (
     "--xla_backend_optimization_level=1",
     "--xla_llvm_disable_expensive_passes=true",
-    "--xla_cpu_use_fusion_emitters=false",
-)
+) + (("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_version() < (0, 11) else ())
 _flags = os.environ.get("XLA_FLAGS", "").split()
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
     _flags.append("--xla_force_host_platform_device_count=1")
