@@ -398,3 +398,19 @@ def test_evaluate_reports_the_step_it_loaded(experiment, tmp_path, monkeypatch):
     # After the load, the directory's newest checkpoint is a later one.
     monkeypatch.setattr(CheckpointManager, "latest", lambda self: latest(self) + len(loaded))
     assert evaluate_run(str(run))["step"] == 1
+
+
+def test_sampling_keeps_to_the_task_symbols_of_a_larger_checkpoint(experiment, gpt2):
+    """The copy task's 8 symbols fill half of the checkpoint's 16 rows: ``vocab_size``
+    (what the training loop's samples pass) keeps every sampled id below 8, where the
+    whole table puts some at 8 or above; a bad ``vocab_size`` is a ValueError."""
+    path, _ = gpt2
+    model = build(config(experiment, f"model.init_from={path}")).model
+    prompt = np.arange(4)
+    free = model.generate(jr.key(0), prompt, 64, temperature=1.0)
+    kept = model.generate(jr.key(0), prompt, 64, temperature=1.0, vocab_size=8)
+    assert free.max() >= 8 and 0 <= kept.min() and kept.max() < 8
+    assert model.generate(jr.key(0), prompt, 4, temperature=0.0, vocab_size=8).max() < 8
+    for bad in (0, 17, 8.0, True):
+        with pytest.raises(ValueError, match="vocab_size must be an integer in 1..16"):
+            model.generate(jr.key(0), prompt, 4, vocab_size=bad)

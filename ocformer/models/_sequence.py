@@ -128,7 +128,14 @@ class SequenceModel(eqx.Module):
         """This model with another transformer (another scheme, adjoint, step count)."""
         return eqx.tree_at(lambda m: m.transformer, self, transformer)
 
-    def generate(self, key, prompt_tokens, num_new: int, temperature: float = 1.0) -> np.ndarray:
+    def generate(
+        self,
+        key,
+        prompt_tokens,
+        num_new: int,
+        temperature: float = 1.0,
+        vocab_size: int | None = None,
+    ) -> np.ndarray:
         """Sample ``num_new`` symbols after ``prompt_tokens`` (a causal LM only).
 
         The context is a window of the embedding's ``seq_len`` tokens: filled from the
@@ -142,6 +149,9 @@ class SequenceModel(eqx.Module):
             prompt_tokens: 1-D symbol ids, at least one.
             num_new: how many symbols to sample.
             temperature: softmax temperature; 0 samples greedily (argmax).
+            vocab_size: sample only ids below it (a task whose symbols fill only the
+                first rows of the embedding's table, as one started from a larger
+                checkpoint does); None: every row.
 
         Returns:
             The ``num_new`` sampled ids, int32.
@@ -185,6 +195,15 @@ class SequenceModel(eqx.Module):
         num_new = int(num_new)
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature!r}.")
+        if vocab_size is not None and not (
+            isinstance(vocab_size, int | np.integer)
+            and not isinstance(vocab_size, bool)
+            and 1 <= vocab_size <= vocab
+        ):
+            raise ValueError(
+                f"vocab_size must be an integer in 1..{vocab} (the rows of the embedding's "
+                f"table), got {vocab_size!r}."
+            )
         if num_new == 0:
             return np.zeros((0,), np.int32)
         n = self.embedding.seq_len
@@ -197,18 +216,20 @@ class SequenceModel(eqx.Module):
             jnp.asarray(prompt.size, jnp.int32),
             jr.split(key, num_new),
             jnp.asarray(temperature, self.embedding.tokens.dtype),
+            vocab if vocab_size is None else int(vocab_size),
         )
         return np.asarray(out)
 
 
 @eqx.filter_jit
-def _sample(model: SequenceModel, window, length, keys, temperature):
+def _sample(model: SequenceModel, window, length, keys, temperature, vocab_size: int):
     n = window.shape[0]
 
     def step(carry, key):
         window, length = carry
         logits = model(window[None])[0]
         row = jax.lax.dynamic_index_in_dim(logits, length - 1, keepdims=False)
+        row = jnp.where(jnp.arange(row.shape[0]) < vocab_size, row, -jnp.inf)
         greedy = temperature <= 0
         scaled = row / jnp.where(greedy, 1.0, temperature)
         token = jnp.where(greedy, jnp.argmax(row), jr.categorical(key, scaled)).astype(jnp.int32)

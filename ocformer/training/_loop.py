@@ -301,7 +301,11 @@ class _Evaluation:
         prompt = self.task.encode(self.tc.sample_prompt)
         try:  # a solve of its own, at sequence lengths the training never ran
             tokens = model.generate(
-                jr.fold_in(key, step), prompt, self.tc.sample_tokens, self.tc.sample_temperature
+                jr.fold_in(key, step),
+                prompt,
+                self.tc.sample_tokens,
+                self.tc.sample_temperature,
+                vocab_size=self.task.vocab_size,
             )
             tokens = np.asarray(tokens)
         except eqx.EquinoxRuntimeError as e:
