@@ -414,3 +414,28 @@ def test_sampling_keeps_to_the_task_symbols_of_a_larger_checkpoint(experiment, g
     for bad in (0, 17, 8.0, True):
         with pytest.raises(ValueError, match="vocab_size must be an integer in 1..16"):
             model.generate(jr.key(0), prompt, 4, vocab_size=bad)
+
+
+def test_a_grey_vit_checkpoint_trains_on_digits_and_its_patch_size_is_kept(
+    experiment, tmp_path, capsys
+):
+    """A one-channel ViT (8x8 images, 4x4 patches) starts a run of the digits task,
+    whose images have no channel axis; another ``task.patch_size`` is refused with exit
+    code 2 naming the checkpoint's."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    vit = ViTForImageClassification(
+        ViTConfig(
+            image_size=8, patch_size=4, num_channels=1, hidden_size=8, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=16, num_labels=10,
+        )
+    )  # fmt: skip
+    vit.save_pretrained(tmp_path / "vit")
+    start = [f"model.init_from={tmp_path / 'vit'}", "task.name=digits", "train.steps=1"]
+    _train(experiment, tmp_path / "run", *start, "train.eval_every=1")
+    assert (tmp_path / "run" / "checkpoints" / "step_1").is_dir()
+    argv = ["--config", experiment, "--workdir", str(tmp_path / "other")]
+    sets = [*QUIET, *start, "task.patch_size=2"]
+    assert train_cli.main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
+    assert "task.patch_size: is 2, but the checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

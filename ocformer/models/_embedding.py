@@ -209,7 +209,7 @@ class PatchEmbedding(AbstractEmbedding):
 
     def patches(self, images: Float[Array, "B ..."]) -> Float[Array, "B P p"]:
         """Flattened non-overlapping patches in row-major patch order."""
-        if tuple(images.shape[1:]) != self.input_shape:
+        if _grey(tuple(images.shape[1:])) != _grey(self.input_shape):
             raise ValueError(
                 f"PatchEmbedding expects images of shape (B, *{self.input_shape}), got "
                 f"{images.shape}."
@@ -226,6 +226,12 @@ class PatchEmbedding(AbstractEmbedding):
         tokens = tokens + constant_in_x(self.bias, tokens.ndim)
         cls = jnp.broadcast_to(self.cls_token, (tokens.shape[0], 1, tokens.shape[2]))
         return jnp.concatenate([cls, tokens], axis=1) + self.positions[None]
+
+
+def _grey(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """An image shape with a single channel's axis left out: (H, W, 1) and (H, W) are
+    the same images."""
+    return shape[:2] if len(shape) == 3 and shape[2] == 1 else shape
 
 
 class AbstractReadout(eqx.Module):

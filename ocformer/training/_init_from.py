@@ -206,6 +206,14 @@ def check_task(config: Config, task, model: SequenceModel, source: Source) -> No
             f"the checkpoint at {source.path} reads images of shape {embedding.input_shape} "
             f"(H, W, C), and task {config.task.name!r} gives {shape}",
         )
+    patch = getattr(task, "patch_size", None)
+    if patch is not None and patch != embedding.patch_size:
+        raise ConfigError(
+            "task.patch_size",
+            f"is {patch}, but the checkpoint at {source.path} cuts images into patches "
+            f"of {embedding.patch_size} x {embedding.patch_size}; set "
+            f"task.patch_size={embedding.patch_size}",
+        )
     if task.num_classes > readout_size:
         raise ConfigError(
             f"task ({config.task.name})",
