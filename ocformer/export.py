@@ -18,14 +18,13 @@ destination; nothing written), 1 unexpected error.
 """
 
 import argparse
-import json
 import os
 
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import to_pretrained
-from .training import ExitCode, WorkdirError, load_run, run_record
+from .training import ExitCode, WorkdirError, enable_x64_for_run, load_run, run_record
 
 _PROGRAM = "ocformer.export"
 TOKENIZER_FILE = "tokenizer.json"
@@ -154,23 +153,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _enable_x64_if_needed(workdir: str) -> None:
-    # A float64 run's arrays are restored as float64 only under 64-bit JAX.
-    try:
-        with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-            dtype = json.load(f).get("model", {}).get("dtype")
-    except (OSError, ValueError, AttributeError):
-        return  # load_run reports the directory
-    if dtype == "float64":
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
-    _enable_x64_if_needed(args.workdir)
+    enable_x64_for_run(args.workdir)  # a float64 run (or start) is rebuilt in float64
     try:
         path = export(args.workdir, args.to, args.step, overwrite=args.overwrite)
     except (ConfigError, WorkdirError, CheckpointError, FileExistsError) as e:

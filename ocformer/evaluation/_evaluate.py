@@ -8,8 +8,6 @@ controls, readout) and rebuilds everything else from the changed configuration.
 """
 
 import dataclasses
-import json
-import os
 import time
 from collections.abc import Sequence
 
@@ -32,6 +30,7 @@ from ..training import (
     SolverFailure,
     build,
     build_discretisation,
+    enable_x64_for_run,
     load_run_at,
     make_eval_step,
     validation_metrics,
@@ -86,19 +85,6 @@ def discretisation_of(config: Config) -> dict:
     """The discretisation fields of ``config``, by dotted name."""
     data = to_dict(config)
     return {f"{s}.{k}": v for s in DISCRETISATION_SECTIONS for k, v in data[s].items()}
-
-
-def _enable_x64_if_needed(workdir: str) -> None:
-    # A float64 run needs 64-bit JAX before its model is built (as in ocformer.train).
-    # An unreadable config.json is reported by the reader of the run, with its path.
-    path = os.path.join(workdir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            stored = json.load(f)
-    except (OSError, ValueError):
-        return
-    if isinstance(stored, dict) and stored.get("model", {}).get("dtype") == "float64":
-        jax.config.update("jax_enable_x64", True)
 
 
 def _time_stepper(model):
@@ -248,7 +234,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     """
     for text in overrides:
         check_discretisation_field(text.split("=", 1)[0].strip())
-    _enable_x64_if_needed(workdir)
+    enable_x64_for_run(workdir)  # before its model is built, as in ocformer.train
     config, trained, at_step = load_run_at(workdir, step)
     # The bias checks and fallback of a depth-parallel run act on its training only, so
     # they do not stop an evaluation under the serial solve.

@@ -243,6 +243,12 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
                     f"the run in {source.path} started from another checkpoint, which "
                     f"rebuilding it reads: {e}"
                 )
+            elif e.field == "model.dtype":  # a float64 source of a run in another dtype
+                why = (
+                    f"the run in {source.path} is float64, and rebuilding it needs 64-bit "
+                    "JAX: set JAX_ENABLE_X64=1 or jax.config.update('jax_enable_x64', True) "
+                    "(ocformer.train, ocformer.evaluate and ocformer.export do this for you)"
+                )
             else:
                 why = (
                     f"{source.path}/config.json cannot be rebuilt by this version of ocformer: {e}"

@@ -93,6 +93,45 @@ def parse_source(spec: str) -> Source:
     )
 
 
+def run_needs_x64(workdir: str | os.PathLike, _seen: tuple[str, ...] = ()) -> bool:
+    """Whether rebuilding the run in ``workdir`` needs 64-bit JAX: its model is float64,
+    or it started from a work directory whose run needs it (a float32 fine-tune of a
+    float64 run rebuilds that run's structure), followed along the chain of starts. An
+    unreadable ``config.json`` counts as no: the reader of the run reports it."""
+    path = os.path.abspath(os.fspath(workdir))
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+            model = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError):
+        return False
+    if not isinstance(model, dict):
+        return False
+    if model.get("dtype") == "float64":
+        return True
+    return start_needs_x64(model.get("init_from"), (*_seen, path))
+
+
+def start_needs_x64(spec: object, _seen: tuple[str, ...] = ()) -> bool:
+    """Whether the start ``model.init_from=spec`` is a work directory whose run needs
+    64-bit JAX to be rebuilt (``run_needs_x64``); a Hugging Face checkpoint is read in
+    the run's own dtype and never does."""
+    if not isinstance(spec, str):
+        return False
+    try:
+        source = parse_source(spec)
+    except ConfigError:
+        return False  # refused, with its reason, when the run is built
+    return source.kind == "run" and source.path not in _seen and run_needs_x64(source.path, _seen)
+
+
+def enable_x64_for_run(workdir: str | os.PathLike) -> None:
+    """Turn on 64-bit JAX when the run in ``workdir`` needs it to be rebuilt
+    (``run_needs_x64``), before anything is built: what ``ocformer.evaluate`` and
+    ``ocformer.export`` do for the run they read."""
+    if run_needs_x64(workdir):
+        jax.config.update("jax_enable_x64", True)
+
+
 def read_checkpoint(source: Source, dtype) -> SequenceModel:
     """The model of a Hugging Face checkpoint; its refusals become ``ConfigError``."""
     try:
