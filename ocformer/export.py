@@ -2,11 +2,12 @@
 
 Writes the trained model of an ocformer work directory as a Hugging Face checkpoint
 directory (``ocformer.convert.to_pretrained``), with the task's ``tokenizer.json`` when
-the run's dataset directory (``task.path``) has one. Only a run in the standard
-discretisation (the Lie scheme, one explicit-Euler step per layer solved serially in
-depth, piecewise-constant controls, the split formulation) can be exported: that
-discretisation *is* the layer stack which ``transformers`` evaluates; any other is
-refused, naming the fields that differ. Only a model that started from a checkpoint
+the run's dataset directory (``task.path``) has one, and a ``tokenizer_config.json``
+that has ``AutoTokenizer`` read it as it was written (``PreTrainedTokenizerFast``).
+Only a run in the standard discretisation (the Lie scheme, one explicit-Euler step per
+layer solved serially in depth, piecewise-constant controls, the split formulation) can
+be exported: that discretisation *is* the layer stack which ``transformers`` evaluates;
+any other is refused, naming the fields that differ. Only a model that started from a checkpoint
 (``model.init_from``) has a format to be written back in.
 
 A destination that holds files ocformer did not write is refused unless ``--overwrite``
@@ -18,7 +19,9 @@ destination; nothing written), 1 unexpected error.
 """
 
 import argparse
+import json
 import os
+import tempfile
 
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
@@ -28,6 +31,7 @@ from .training import ExitCode, WorkdirError, enable_x64_for_run, load_run, run_
 
 _PROGRAM = "ocformer.export"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # The fields that make a run the standard layer stack (the values to_layers reads).
 _STANDARD = (
     ("discretisation", "stepper", DiscretisationConfig().stepper),
@@ -92,10 +96,6 @@ def export(
             "no checkpoint format to be written back in; start it with "
             "--set model.init_from=DIR to export it",
         )
-    files = {}
-    dataset = config.task.path
-    if dataset is not None and os.path.isfile(os.path.join(dataset, TOKENIZER_FILE)):
-        files[TOKENIZER_FILE] = os.path.join(dataset, TOKENIZER_FILE)
     path = os.path.abspath(os.fspath(to))
     for other, what in [
         (_started_from(workdir), "the checkpoint this run started from (model.init_from), "
@@ -111,11 +111,27 @@ def export(
                 f"{path} {relation} {what}, which writing the export (it replaces --to "
                 "whole) would destroy; write the export elsewhere",
             )
-    try:
-        to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
-    except ValueError as e:
-        raise ConfigError("--to", str(e)) from None
+    with tempfile.TemporaryDirectory() as scratch:
+        files = _tokenizer_files(config.task.path, scratch)
+        try:
+            to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ConfigError("--to", str(e)) from None
     return path
+
+
+def _tokenizer_files(dataset: str | None, scratch: str) -> dict[str, str]:
+    """The dataset's ``tokenizer.json`` (none: no files) with a
+    ``tokenizer_config.json`` that names the fast tokenizer which reads it. Without
+    one, ``AutoTokenizer`` picks the class of the checkpoint's ``model_type`` (GPT-2's
+    byte-level tokenizer for ``gpt2``), which reads the file differently: a character
+    tokenizer's spaces are lost."""
+    if dataset is None or not os.path.isfile(os.path.join(dataset, TOKENIZER_FILE)):
+        return {}
+    settings = os.path.join(scratch, TOKENIZER_CONFIG_FILE)
+    with open(settings, "w", encoding="utf-8") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
+    return {TOKENIZER_FILE: os.path.join(dataset, TOKENIZER_FILE), TOKENIZER_CONFIG_FILE: settings}
 
 
 def _nesting(path: str, protected: str) -> str | None:

@@ -475,3 +475,25 @@ def test_a_float32_run_from_a_float64_run_is_rebuilt_without_being_told(experime
             [sys.executable, "-m", *cmd], env=env, capture_output=True, text=True, timeout=300
         )
         assert done.returncode == 0 and said in done.stdout, done.stderr[-2000:]
+
+
+def test_an_exported_tokenizer_is_read_by_autotokenizer_as_the_task_reads_it(
+    experiment, gpt2, tmp_path
+):
+    """A character dataset's tokenizer, exported with the run: ``AutoTokenizer`` gives
+    the task's ids (with the spaces, which GPT-2's byte-level class, picked from the
+    checkpoint's ``model_type`` without a ``tokenizer_config.json``, drops)."""
+    from transformers import AutoTokenizer
+
+    from ocformer.tasks import make_task, prepare_text
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
+    prepare_text([str(corpus)], "char", tmp_path / "ds", progress=False)
+    run = tmp_path / "run"
+    task = ["task.name=tokens", f"task.path={tmp_path / 'ds'}", "train.steps=1"]
+    _train(experiment, run, f"model.init_from={gpt2[0]}", *task)
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")("the cat").input_ids
+    ours = make_task("tokens", path=str(tmp_path / "ds"), seq_len=12).encode("the cat")
+    assert list(theirs) == np.asarray(ours).tolist() and len(theirs) == 7
