@@ -1,6 +1,7 @@
 """The training loop in-process: every experiment runs, outputs are written, non-finite
 updates are skipped or abort, solver failures are named, the schedule is what it says."""
 
+import ast
 import glob
 import json
 import math
@@ -595,3 +596,35 @@ def test_a_library_caller_survives_a_second_interrupt(monkeypatch):
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_subword_samples_are_decoded_with_their_prompt(tmp_path, capsys):
+    """A WordPiece tokenizer drops whitespace, so '\\n' encodes to nothing: the refusal
+    suggests a word of the corpus that encodes. A sample is decoded whole, so the
+    continuation's '##' pieces join the prompt's word instead of being printed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    r = np.random.default_rng(0)
+    words = ["".join(r.choice(list("abcdefgh"), size=r.integers(3, 9))) for _ in range(400)]
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(" ".join(words) + "\n", encoding="utf-8")
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    tok.train([str(corpus)], trainers.WordPieceTrainer(vocab_size=60, special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    data = tmp_path / "data"
+    prepare_text([str(corpus)], str(tmp_path / "tokenizer.json"), data, progress=False)
+    sets = [
+        "task.name=tokens", f"task.path={data}", "task.seq_len=8", "task.batch_size=4",
+        "task.eval_batch_size=4", "task.eval_batches=1", "train.steps=1", "train.eval_every=1",
+        "train.checkpoint_every=1", "train.sample_tokens=12", "train.progress=false",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match="encodes to no symbols") as refused:
+        build(resolve(SMOKE, [*sets, "train.sample_prompt=\n"]))
+    suggested = str(refused.value).split("such as ", 1)[1].split(", or set")[0]
+    assert len(tok.encode(ast.literal_eval(suggested)).ids) >= 1  # a word that encodes
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run")]
+    argv += [a for s in [*sets, f"train.sample_prompt={words[0]}"] for a in ("--set", s)]
+    assert cli.main(argv) == ExitCode.OK
+    sample = (tmp_path / "run" / "samples.txt").read_text(encoding="utf-8").split("\n", 1)[1]
+    assert sample.startswith(words[0][:2]) and "##" not in sample, sample

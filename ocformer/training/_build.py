@@ -431,8 +431,24 @@ def _check_prompt(prompt: str, task: AbstractTextTask) -> None:
         raise ConfigError(
             "train.sample_prompt",
             f"{prompt!r} encodes to no symbols, and sampling starts from at least one: give "
-            "a prompt such as '\\n', or set train.sample_tokens=0",
+            f"a prompt such as {_prompt_that_encodes(task)}, or set train.sample_tokens=0",
         )
+
+
+def _prompt_that_encodes(task: AbstractTextTask) -> str:
+    """A prompt the task encodes to at least one symbol: the first word of its training
+    text that does (a tokenizer that drops whitespace encodes '\\n' to nothing)."""
+    try:
+        text = task.decode(task.batch("train", 0, 1, 0)["inputs"][0][:16])
+    except (ValueError, IndexError):  # a suggestion only: the refusal stands without it
+        text = ""
+    for word in [*text.split(), "\n", "The"]:
+        try:
+            if len(task.encode(word)):
+                return repr(word)
+        except ValueError:
+            continue
+    return "a word of the corpus"
 
 
 def build_from_own_checkpoint(config: Config, workdir: str, **kwargs) -> Experiment:

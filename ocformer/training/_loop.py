@@ -310,7 +310,9 @@ class _Evaluation:
             tokens = np.asarray(tokens)
         except eqx.EquinoxRuntimeError as e:
             raise SolverFailure.from_error(step, e) from None
-        return self.tc.sample_prompt + self.task.decode(tokens)
+        # Decoded with the prompt: a subword's join to what precedes it (WordPiece's
+        # '##') is the tokenizer's to undo, which it can only do for the whole text.
+        return self.task.decode(np.concatenate([np.asarray(prompt), tokens]))
 
 
 _untimed = contextlib.nullcontext()
