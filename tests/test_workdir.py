@@ -707,3 +707,25 @@ def test_summary_json_is_the_last_finished_run_and_where_its_time_went(
     code = cli.main(argv(workdir, "train.steps=14", flags=["--allow-config-change"]))
     assert code == ExitCode.NON_FINITE
     assert not (workdir / "summary.json").exists()
+
+
+def test_a_path_spelled_otherwise_is_no_configuration_change(tmp_path, monkeypatch):
+    """A resume that names the same dataset, corpus or start by another spelling (the
+    stored one relative to where the run started, the new one absolute, or relative to
+    another directory) changes nothing; another place does."""
+    from ocformer.config import to_dict
+    from ocformer.training._rundir import config_changes
+
+    (tmp_path / "a" / "data").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    base = resolve(SMOKE, [])
+    stored = json.loads(json.dumps(to_dict(base)))
+    stored["task"]["data_dir"] = "data"
+    stored["model"]["init_from"] = "../b"
+    then = str(tmp_path / "a")
+    monkeypatch.chdir(tmp_path)
+    same = resolve(SMOKE, [f"task.data_dir={tmp_path / 'a' / 'data'}", "model.init_from=b"])
+    assert config_changes(stored, same, then) == {}
+    assert set(config_changes(stored, same)) == {"task.data_dir", "model.init_from"}
+    other = resolve(SMOKE, ["task.data_dir=a", "model.init_from=b"])
+    assert set(config_changes(stored, other, then)) == {"task.data_dir"}

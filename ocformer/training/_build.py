@@ -36,7 +36,7 @@ from ..tasks import TASKS, AbstractTextTask, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser, under_standard_promotion
-from ._rundir import RUN_MARKER, dataset_change, run_record
+from ._rundir import RELATIVE_PATHS, RUN_MARKER, dataset_change, run_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,10 +333,6 @@ def restore_run(
     return built["config"], model, chosen, directory
 
 
-# The paths a run's configuration may give relative to the directory it was started in.
-_RELATIVE_PATHS = (("task", "path"), ("task", "data_dir"), ("model", "init_from"))
-
-
 def _anchored(config: Config, workdir: str) -> Config:
     """``config`` with its relative paths (a dataset, a corpus directory, a start) made
     absolute against the directory the run was started in (``run.json``'s ``cwd``):
@@ -344,7 +340,7 @@ def _anchored(config: Config, workdir: str) -> Config:
     cwd = run_record(workdir, "cwd")
     if not isinstance(cwd, str):
         return config
-    for section, name in _RELATIVE_PATHS:
+    for section, name in RELATIVE_PATHS:
         value = getattr(getattr(config, section), name)
         if isinstance(value, str) and not os.path.isabs(value):
             part = with_field(getattr(config, section), name, os.path.join(cwd, value))

@@ -100,19 +100,36 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_changes(stored: dict, config: Config) -> dict[str, tuple]:
+# The paths a run's configuration may give relative to the directory it was started in.
+RELATIVE_PATHS = (("task", "path"), ("task", "data_dir"), ("model", "init_from"))
+
+
+def config_changes(stored: dict, config: Config, stored_cwd: str | None = None) -> dict[str, tuple]:
     """The dotted fields in which ``config`` differs from the stored configuration
     ``stored`` (as written to ``config.json``), each as ``(stored, new)``; fields that
-    exist on one side only have ``None`` on the other."""
+    exist on one side only have ``None`` on the other. A path (``RELATIVE_PATHS``) that
+    names the same place is no change: the stored one taken relative to
+    ``stored_cwd`` (where that run started; None: compared as written), the new one
+    relative to this process's directory."""
     old = _flatten(stored)
     new = _flatten(json.loads(json.dumps(to_dict(config))))
     keys = [k for k in new if k in old] + [k for k in new if k not in old]
     keys += [k for k in old if k not in new]
+    paths = {f"{section}.{name}" for section, name in RELATIVE_PATHS}
     return {
         k: (old.get(k), new.get(k))
         for k in keys
-        if old.get(k) != new.get(k) and k not in PRESENTATION_FIELDS
+        if old.get(k) != new.get(k)
+        and k not in PRESENTATION_FIELDS
+        and not (k in paths and _same_place(old.get(k), new.get(k), stored_cwd))
     }
+
+
+def _same_place(stored, new, stored_cwd: str | None) -> bool:
+    if not (isinstance(stored, str) and isinstance(new, str) and stored_cwd is not None):
+        return False
+    then = os.path.join(stored_cwd, os.path.expanduser(stored))
+    return os.path.realpath(then) == os.path.realpath(os.path.expanduser(new))
 
 
 _GIB = float(2**30)
@@ -330,7 +347,7 @@ class RunDirectory:
                 ) from None
         if latest is None:
             return {}  # nothing to resume: the new run replaces an empty history
-        changes = config_changes(self.stored_config, config)
+        changes = config_changes(self.stored_config, config, run_record(self.path, "cwd"))
         if (changed := dataset_change(self.path, config)) is not None:
             changes[DATASET_CHANGE] = changed
         if changes and not allow_config_change:
