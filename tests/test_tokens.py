@@ -229,6 +229,132 @@ def test_text_without_spaces_splits_at_the_characters_of_the_split_byte(tmp_path
         assert task.decode(_ids(out, "val.bin")) == text[2700:]
 
 
+def _split_at(data: bytes) -> int:
+    """The documented split of a one-file corpus, found independently: the first space
+    or newline after a printable ASCII character at or after byte ceil(0.9 * size), else
+    the first character boundary there."""
+    at = -(-len(data) * 9 // 10)
+    for i in range(at, len(data)):
+        if data[i] in b" \n" and 0x21 <= data[i - 1] <= 0x7E:
+            return i
+    while at < len(data) and data[at] & 0xC0 == 0x80:
+        at += 1
+    return at
+
+
+def test_the_split_does_not_depend_on_the_chunk_size(tmp_path):
+    """Validation starts at the documented boundary for chunks of 1, 2, 7, 64 bytes and
+    the default, even when the split byte falls in a word longer than the chunks that
+    force a cut (8 of them); in a file without a boundary after the split byte that is
+    not the last, validation is the next file."""
+    head = _text(1500, 4).encode()
+    tail = b" " + _text(150, 5).encode()
+    # A 40-byte word holding the split byte: 0.9 * (head + 40 + tail) ~ head + 5.
+    pad = (len(head) + 5) * 10 // 9 - len(head) - 40 - len(tail)
+    data = head + b"x" * 40 + tail + b"." * pad
+    assert len(head) < -(-len(data) * 9 // 10) < len(head) + 35
+    one = tmp_path / "one.txt"
+    one.write_bytes(data)
+    split = _split_at(data)
+    assert split == data.index(b" ", len(head) + 1)  # after the long word, not in it
+    # a.txt: 9/10 of the bytes and CJK text (no boundary) after its split byte; b.txt.
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes((_text(300, 6) + "日本語のテキスト" * 20).encode())
+    b.write_bytes(b"tail of it " * (a.stat().st_size // 99))
+    assert -(-(a.stat().st_size + b.stat().st_size) * 9 // 10) < a.stat().st_size
+    results = {}
+    for chunk in (1, 2, 7, 64, 1 << 20):
+        for name, inputs in (("one", [one]), ("two", [a, b])):
+            out = tmp_path / f"{name}{chunk}"
+            manifest = prepare_text([str(f) for f in inputs], "char", out, chunk_bytes=chunk,
+                                    progress=False)  # fmt: skip
+            splits = manifest["splits"]
+            results.setdefault(name, set()).add(
+                tuple((splits[s]["tokens"], splits[s]["sha256"]) for s in splits)
+            )
+            task = Tokens(out, seq_len=4)
+            train, val = (task.decode(_ids(out, n)) for n in ("train.bin", "val.bin"))
+            if name == "one":
+                assert (train, val) == (data[:split].decode(), data[split:].decode())
+            else:
+                assert (train, val) == (a.read_text(), b.read_text())
+    assert [len(r) for r in results.values()] == [1, 1]  # one outcome per corpus
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1024, 1 << 20])
+def test_text_without_spaces_is_cut_between_characters(tmp_path, chunk):
+    """Japanese without spaces: every cut, the split included, falls between characters
+    at any chunk size (a cut in the middle of one was refused as "not UTF-8"), and the
+    ids are those of the whole file. Chunks of 7 bytes on 66 KB, as 1 MiB on 15 MB."""
+    text = "日本語のテキストです。" * 2000 + "\n"
+    corpus = _write(tmp_path / "ja.txt", text)
+    split = _split_at(text.encode())
+    assert split % 3 == 0 and split // 3 == 19801  # the split byte 59401 is in a character
+    manifest = prepare_text([str(corpus)], "char", tmp_path / "ds", chunk_bytes=chunk,
+                            progress=False)  # fmt: skip
+    assert manifest["splits"]["train"]["tokens"] == 19801
+    assert manifest["splits"]["validation"]["tokens"] == len(text) - 19801
+    ids = np.concatenate([_ids(tmp_path / "ds", n) for n in ("train.bin", "val.bin")])
+    assert ids.tolist() == _reference_ids(tmp_path / "ds", text)
+
+
+def test_a_file_named_with_glob_characters_is_that_file(tmp_path, capsys):
+    """An --input naming an existing file is that file, "[v2]" and all; a pattern that
+    matches nothing, and names no file, is refused with how to write the characters
+    literally."""
+    import glob
+
+    _write(tmp_path / "notes [v2].txt", _text(2000, 7))
+    _write(tmp_path / "notes 2.txt", _text(2000, 8))
+    args = ["--tokenizer", "char", "--no-progress"]
+    for given, expected in (
+        ("notes [v2].txt", "notes [v2].txt"),  # the file, not the glob (matching "notes v.txt")
+        ("notes [[]v2].txt", "notes [v2].txt"),  # escaped: the glob of that file
+        ("notes [0-9].txt", "notes 2.txt"),  # no such file: a glob, as before
+    ):
+        out = tmp_path / "ds"
+        assert prepare_main(["text", "--input", str(tmp_path / given), "--out", str(out),
+                             *args]) == 0  # fmt: skip
+        sources = json.loads((out / "manifest.json").read_text())["sources"]
+        assert [s["path"] for s in sources] == [str(tmp_path / expected)]
+    capsys.readouterr()
+    missing = str(tmp_path / "notes [v3].txt")
+    assert prepare_main(["text", "--input", missing, "--out", str(tmp_path / "no"), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"--input {missing!r} matches no file, and no file has that name" in err
+    assert "write [*] [?] [[]" in err and f"glob.escape gives {glob.escape(missing)!r}" in err
+    assert glob.escape(missing).endswith("notes [[]v3].txt")
+
+
+def test_a_short_corpus_is_refused_or_warned_of(tmp_path, capsys):
+    """A corpus too short to split names its size in proper English; a split too short
+    for long contexts is named at preparation with the longest task.seq_len it holds,
+    which is the one training then accepts."""
+
+    def prepare(text: str) -> tuple[int, str]:
+        corpus = _write(tmp_path / "c.txt", text)
+        argv = ["text", "--input", str(corpus), "--tokenizer", "char", "--no-progress"]
+        code = prepare_main([*argv, "--out", str(tmp_path / "ds")])
+        return code, capsys.readouterr().err
+
+    for text, size in (("a", "1 byte"), ("ab", "2 bytes")):
+        code, err = prepare(text)
+        assert code == 2 and f"the corpus ({size}) gives no validation tokens" in err
+    code, err = prepare("aaaaaaaaab")  # validation: "b"
+    assert code == 0 and "warning: val.bin holds 1 token, fewer than any training window" in err
+    # 480 bytes: validation starts at the space after "the" at byte 432, 45 characters.
+    code, err = prepare("the cat sat on the mat. " * 20)
+    assert code == 0
+    assert (
+        "warning: val.bin holds 45 tokens: training on this dataset needs task.seq_len <= 44" in err
+    )
+    Tokens(tmp_path / "ds", seq_len=44)
+    with pytest.raises(ValueError, match=r"val\.bin holds 45 tokens, fewer than seq_len \+ 1 = 46"):
+        Tokens(tmp_path / "ds", seq_len=45)
+    code, err = prepare(_text(3000, 9))  # over 1024 tokens in each split: nothing to say
+    assert code == 0 and err == ""
+
+
 @pytest.fixture(scope="module")
 def task(corpus, tmp_path_factory):
     root, _, _ = corpus

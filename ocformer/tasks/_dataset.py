@@ -20,8 +20,11 @@ Files are read in the order given and their ids concatenated; each file is encod
 its own.
 
 The validation split (``val.bin``) is the end of the corpus: it starts at the first
-chunk boundary at or after ``1 - VALIDATION_FRACTION`` of the corpus's bytes (or at the
-start of the first file beginning there).
+chunk boundary (as above, or the start of a file) at or after byte
+``ceil((1 - VALIDATION_FRACTION) * total)`` of the corpus; where there is none (the last
+file has no such place after that byte), at the first character boundary at or after
+it. ``split_point`` finds it by reading on from that byte, and no chunk crosses it, so
+the split does not depend on the chunk size (``MAX_CHUNKS`` does not apply to it).
 
 The directory appears whole: it is built in a temporary sibling and renamed into place.
 An existing ``DIR`` is replaced only if it is empty or was written by this function.
@@ -98,6 +101,7 @@ def dtype_for(vocab_size: int) -> np.dtype:
 
 def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
     """The files of ``patterns`` (paths or globs, each glob's matches sorted), in order.
+    A pattern that names an existing file is that file, glob characters or not.
 
     Raises:
         CorpusError: a pattern matching nothing, a path that is not a file, an empty file,
@@ -108,10 +112,15 @@ def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
     files: list[pathlib.Path] = []
     seen: dict[pathlib.Path, str] = {}  # resolved path -> the pattern that gave it
     for pattern in patterns:
-        if glob.has_magic(pattern):
+        # A file named with glob characters ("notes [v2].txt") is that file, not a glob.
+        if glob.has_magic(pattern) and not os.path.isfile(pattern):
             matches = sorted(glob.glob(pattern, recursive=True))
             if not matches:
-                raise CorpusError(f"--input {pattern!r} matches no file")
+                raise CorpusError(
+                    f"--input {pattern!r} matches no file, and no file has that name; "
+                    "in a glob, * ? and [...] are wildcards: to match them literally, "
+                    f"write [*] [?] [[] (glob.escape gives {glob.escape(pattern)!r})"
+                )
         else:
             matches = [pattern]
         for match in matches:
@@ -165,17 +174,84 @@ def _last_cut(buf: bytes, end: int) -> int:
         width *= 4
 
 
-def _first_cut(buf: bytes, start: int) -> int | None:
-    """The smallest chunk boundary ``i >= start`` of ``buf``, else None."""
-    m = _CUT.search(buf, max(start - 1, 0))
-    return None if m is None else m.start() + 1
-
-
 def _char_boundary(buf: bytes, at: int) -> int:
-    """The first UTF-8 character boundary at or after ``at`` (for a forced cut)."""
+    """The first UTF-8 character boundary at or after ``at`` in ``buf``. Valid UTF-8 has
+    one within 3 bytes; in invalid text this may be ``len(buf)``, and decoding the piece
+    reports the first bad byte."""
     while at < len(buf) and (buf[at] & 0xC0) == 0x80:
         at += 1
     return at
+
+
+def _scan_cut(fh: BinaryIO, at: int, block: int = 1 << 20) -> int | None:
+    """The first chunk boundary at or after ``at >= 1`` of the open file ``fh``, read in
+    blocks from byte ``at - 1`` on (the character before a boundary is part of it); None
+    if the file has none there."""
+    fh.seek(at - 1)
+    pos, buf = at - 1, fh.read(block)  # pos: the file offset of buf[0]
+    while buf:
+        if m := _CUT.search(buf):
+            return pos + m.start() + 1
+        data = fh.read(block)
+        if not data:
+            return None
+        # Keep the last byte: it may be the printable character of a boundary at data[0].
+        pos, buf = pos + len(buf) - 1, buf[-1:] + data
+    return None
+
+
+def split_point(files: Sequence[pathlib.Path]) -> tuple[int, int]:
+    """Where the validation split starts: (index of the file in ``files``, byte offset
+    in it), by the rule of the module docstring. The offset is the file's size when
+    validation would be empty (a corpus too short to split)."""
+    sizes = [f.stat().st_size for f in files]
+    split_byte = math.ceil(sum(sizes) * (1.0 - VALIDATION_FRACTION))
+    start = 0  # corpus offset of the file
+    for index, (file, size) in enumerate(zip(files, sizes, strict=True)):
+        if start >= split_byte:
+            return index, 0  # the first file starting at or past the split byte
+        rel = split_byte - start
+        if rel < size:
+            with open(file, "rb") as fh:
+                cut = _scan_cut(fh, rel)
+                if cut is not None:
+                    return index, cut
+                if index + 1 < len(files):
+                    return index + 1, 0
+                fh.seek(rel)
+                return index, rel + _char_boundary(fh.read(4), 0)
+        start += size
+    return len(files) - 1, sizes[-1]
+
+
+def _chunks(
+    fh: BinaryIO, length: int | None, chunk_bytes: int, progress: Callable[[int], object]
+) -> Iterator[bytes]:
+    """The next ``length`` bytes of ``fh`` (all the rest if None) in chunks that end at
+    chunk boundaries (see the module docstring), or at a character boundary after a run
+    of ``MAX_CHUNKS`` chunks without one."""
+    buf, eof, want = b"", False, chunk_bytes
+    while buf or not eof:
+        if not eof and len(buf) < want:
+            n = want - len(buf) if length is None else min(want - len(buf), length)
+            block = fh.read(n) if n else b""
+            if length is not None:
+                length -= len(block)
+            eof = not block
+            buf += block
+            progress(len(block))
+            continue
+        if eof:
+            yield buf
+            return
+        cut = _last_cut(buf, len(buf))
+        if not cut and len(buf) >= MAX_CHUNKS * chunk_bytes:
+            cut = _char_boundary(buf, len(buf) // 2)
+        if not cut:
+            want = len(buf) + chunk_bytes  # read on until a boundary comes
+            continue
+        yield buf[:cut]
+        buf, want = buf[cut:], chunk_bytes
 
 
 def stream_pieces(
@@ -186,48 +262,23 @@ def stream_pieces(
     """The corpus as chunks, each tagged with its split (see the module docstring)."""
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}.")
-    total = sum(f.stat().st_size for f in files)
-    split_byte = math.ceil(total * (1.0 - VALIDATION_FRACTION))
-    split, start = "train", 0  # start: corpus offset of the current file
+    if not files:
+        return
+    split_file, split_at = split_point(files)
     for index, file in enumerate(files):
-        last = index == len(files) - 1
-        buf, off, eof, want = b"", 0, False, chunk_bytes
+        # Each file's spans: (split, length, None for the rest of the file).
+        if index < split_file:
+            spans = [("train", None)]
+        elif index > split_file:
+            spans = [("validation", None)]
+        else:
+            spans = [("train", split_at), ("validation", None)]
+        off = 0
         with open(file, "rb") as fh:
-            while buf or not eof:
-                if not eof and len(buf) < want:
-                    block = fh.read(want - len(buf))
-                    eof = not block
-                    buf += block
-                    progress(len(block))
-                    continue
-                end = len(buf)
-                if split == "train":
-                    rel = split_byte - (start + off)
-                    if rel <= 0 and off == 0:
-                        split = "validation"  # this file starts at or past the split
-                        continue
-                    if rel <= len(buf):
-                        cut = _first_cut(buf, rel)
-                        # No boundary for MAX_CHUNKS chunks, or none before the corpus ends.
-                        if cut is None and (len(buf) >= MAX_CHUNKS * chunk_bytes or eof and last):
-                            cut = _char_boundary(buf, rel)
-                        if cut is not None:
-                            yield Piece("train", buf[:cut], file, off)
-                            buf, off, split, want = buf[cut:], off + cut, "validation", chunk_bytes
-                            continue
-                        end = rel  # no training chunk may pass the split byte
-                if eof:
-                    yield Piece(split, buf, file, off)
-                    break
-                cut = _last_cut(buf, end)
-                if not cut and len(buf) >= MAX_CHUNKS * chunk_bytes:
-                    cut = _char_boundary(buf, end // 2)
-                if not cut:
-                    want = len(buf) + chunk_bytes  # read on until a boundary comes
-                    continue
-                yield Piece(split, buf[:cut], file, off)
-                buf, off, want = buf[cut:], off + cut, chunk_bytes
-        start += file.stat().st_size
+            for split, length in spans:
+                for data in _chunks(fh, length, chunk_bytes, progress):
+                    yield Piece(split, data, file, off)
+                    off += len(data)
 
 
 class _Writer:
@@ -391,9 +442,10 @@ def prepare_text(
             splits = {s: w.finish() for s, w in writers.items()}
         for s, record in splits.items():
             if not record["tokens"]:
+                size = f"{total} byte" + ("" if total == 1 else "s")
                 raise CorpusError(
-                    f"--input: the corpus ({total} bytes) gives no {s} tokens: it is too "
-                    "short to split; give more text"
+                    f"--input: the corpus ({size}) gives no {s} tokens: it is too short "
+                    "to split; give more text"
                 )
         manifest = {
             "format": FORMAT,
@@ -415,8 +467,9 @@ def prepare_text(
             "split_rule": (
                 f"validation = the corpus from the first chunk boundary (before a space or "
                 f"newline that follows a printable ASCII character, or a file start) at or "
-                f"after byte ceil({1 - VALIDATION_FRACTION:g} * total bytes); training = "
-                "the rest"
+                f"after byte ceil({1 - VALIDATION_FRACTION:g} * total bytes), or where the "
+                "last file has none after it, from the first character boundary at or "
+                "after it; training = the rest"
             ),
             "validation_fraction": VALIDATION_FRACTION,
             "chunk_bytes": chunk_bytes,

@@ -32,6 +32,11 @@ from ._corpus import (
 )
 from ._dataset import CHUNK_BYTES, prepare_text, verify_dataset
 
+# Training refuses a task.seq_len whose window (seq_len + 1 tokens) a split cannot hold,
+# but only when a run starts; a split too short for GPT-2's context of 1024 tokens is
+# named here first, with the longest context it holds.
+FEW_TOKENS = 1025
+
 
 def _download(dest: pathlib.Path) -> pathlib.Path:
     dest.mkdir(parents=True, exist_ok=True)
@@ -111,7 +116,28 @@ def _text_main(argv: list[str]) -> int:
         f"{splits['validation']['tokens']} validation tokens, vocabulary "
         f"{manifest['vocab_size']}, {manifest['dtype']})"
     )
+    if (warning := _few_tokens(splits)) is not None:
+        print(f"prepare text: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _few_tokens(splits: dict) -> str | None:
+    """What training can do with the shorter split, if it holds fewer than
+    ``FEW_TOKENS`` tokens."""
+    record = min(splits.values(), key=lambda r: r["tokens"])
+    n = record["tokens"]
+    if n >= FEW_TOKENS:
+        return None
+    held = f"{record['file']} holds {n} token" + ("" if n == 1 else "s")
+    if n < 2:
+        return (
+            f"{held}, fewer than any training window (seq_len + 1 >= 2 tokens): training "
+            "on this dataset refuses every task.seq_len; give more text"
+        )
+    return (
+        f"{held}: training on this dataset needs task.seq_len <= {n - 1} (a window is "
+        "seq_len + 1 tokens); give more text for a longer context"
+    )
 
 
 class _Terminated(BaseException):
