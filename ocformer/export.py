@@ -87,7 +87,7 @@ def export(
             f"the run in {workdir} is discretised otherwise than the standard layer "
             f"stack: {listed}. Only the standard discretisation is a Transformer that "
             "the Hugging Face libraries can run; fine-tune with the standard "
-            "discretisation to export, or evaluate this run with ocformer",
+            "discretisation to export, or evaluate this run with python -m ocformer.evaluate",
         )
     if model.source_config is None:  # type: ignore[attr-defined]
         raise ConfigError(

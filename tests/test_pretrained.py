@@ -477,6 +477,9 @@ def test_to_pretrained_into_a_file_is_a_value_error(saved, tmp_path):
     assert not isinstance(info.value, FileExistsError)
     assert file.read_bytes() == b"not a directory"
     assert _siblings(file) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="model.safetensors' above it is a file"):
+        to_pretrained(from_pretrained(saved["gpt2"][0]), file / "deeper" / "export")
+    assert _siblings(file) == ["model.safetensors"]
 
 
 def test_to_pretrained_writes_extra_files_it_may_replace(saved, tmp_path):

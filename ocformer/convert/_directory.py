@@ -174,7 +174,7 @@ def check_destination(path: str, overwrite: bool) -> None:
     """Refuse a destination that holds anything but ocformer's own export.
 
     Raises:
-        ValueError: ``path`` is a file.
+        ValueError: ``path``, or a folder above it, is a file.
         FileExistsError: ``path`` is a directory that is not empty and is not an
             export of ocformer's (or holds files besides it), and ``overwrite`` is off.
     """
@@ -182,6 +182,14 @@ def check_destination(path: str, overwrite: bool) -> None:
         raise ValueError(
             f"to_pretrained writes a checkpoint directory, but {path!r} is a file; give "
             "the path of a new or empty directory."
+        )
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(
+            f"to_pretrained writes a checkpoint directory at {path!r}, but {above!r} above "
+            "it is a file; give a path under a directory."
         )
     if overwrite or not os.path.isdir(path):
         return
