@@ -285,12 +285,14 @@ def test_solver_failure_is_named_with_step_and_message(tmp_path, capsys):
 
 
 class _Text(AbstractTextTask):
-    """A text task of the symbols ``a`` and ``b``, for what only encodes and decodes."""
+    """A text task of the symbols ``a`` and ``b``, for what only encodes and decodes (its
+    batches repeat one text)."""
 
     kind, vocab_size, seq_len = "lm", 2, 8
 
     def batch(self, split, index, batch_size, seed):
-        raise NotImplementedError
+        inputs = np.tile(np.array([0, 1, 1, 0, 1, 0, 0, 1], np.int32), (batch_size, 1))
+        return {"inputs": inputs, "targets": np.roll(inputs, -1, axis=1)}
 
     def encode(self, text):
         if set(text) - {"a", "b"}:
@@ -303,7 +305,7 @@ class _Text(AbstractTextTask):
 
 @pytest.mark.parametrize(
     ("prompt", "words"),
-    [("", ["'' encodes to no symbols", "set train.sample_tokens=0"]),
+    [("", ["'' encodes to no symbols", "such as 'abbabaab'", "set train.sample_tokens=0"]),
      ("abc", ["'abc' cannot be encoded: characters ['c'] are not in 'ab'; or set"])],
 )  # fmt: skip
 def test_a_prompt_the_task_cannot_encode_is_refused_before_the_run(prompt, words):
@@ -322,7 +324,7 @@ def test_a_failed_sampling_solve_is_a_solver_failure():
     there is a SolverFailure of the step (exit code 3), not a raw runtime error."""
 
     class Failing:
-        def generate(self, key, prompt, n, temperature):
+        def generate(self, key, prompt, n, temperature, vocab_size=None):
             raise eqx.EquinoxRuntimeError("The maximum number of solver steps was reached.")
 
     evaluation = _loop._Evaluation.__new__(_loop._Evaluation)
