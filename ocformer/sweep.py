@@ -8,7 +8,8 @@ same sweep again skips finished points and resumes interrupted ones.
 
 Exit codes: 0 every point done, 1 some failed (listed), 2 an invalid sweep, point,
 field or work directory (reported before anything runs), 143 / 130 stopped by SIGTERM /
-SIGINT (the running points get SIGTERM, checkpoint and are recorded as interrupted;
+SIGINT (the running points get SIGTERM, checkpoint and are recorded as interrupted, the
+last line naming the step each resumes at, or that it stopped before its first checkpoint;
 SIGKILL after 60 s; rerun the same command to resume).
 """
 

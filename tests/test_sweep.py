@@ -933,7 +933,9 @@ def test_a_signal_to_a_sweep_stops_its_point_and_records_it(tmp_path, compile_ca
     assert sweep.returncode == 128 + getattr(signal, signum), err
     assert f"stopped by {signum}" in err and "Rerun the same command" in err
     name = os.path.basename(point)
-    assert f"point {name} checkpointed and was recorded as interrupted" in err, err
+    steps = CheckpointManager(os.path.join(point, "run", "checkpoints")).steps()
+    assert len(steps) == 1 and steps[0] >= 1
+    assert f"point {name} checkpointed at step {steps[0]} (resumes there)" in err, err
     # The training process is gone (its pid no longer exists), not orphaned.
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)
@@ -941,8 +943,7 @@ def test_a_signal_to_a_sweep_stops_its_point_and_records_it(tmp_path, compile_ca
     assert status["status"] == "interrupted", status
     assert status["exit_code"] == 143  # it checkpointed on the forwarded SIGTERM
     assert f"stopped by {signum}" in status["error"] and "killed" not in status["error"]
-    steps = CheckpointManager(os.path.join(point, "run", "checkpoints")).steps()
-    assert len(steps) == 1 and steps[0] >= 1
+    assert f"last checkpoint is step {steps[0]}" in status["error"]
 
 
 def test_progress_line_counts_and_eta():
@@ -1044,20 +1045,35 @@ def test_slurm_launch_without_slurm_is_refused_before_writing(tmp_path, capsys, 
     assert not out.exists()
 
 
-def test_an_interrupted_sweep_says_what_it_left():
-    """The stop message names the points interrupted in training and those trained but
-    not evaluated yet, and counts the points not started; it claims no interrupted
-    point when none was."""
+def test_an_interrupted_sweep_says_what_it_left(tmp_path):
+    """The stop message names the points interrupted in training, each with the step
+    of its last committed checkpoint or as stopped before its first one (read from the
+    point's run directory: an uncommitted save does not count), those trained but not
+    evaluated yet, and counts the points not started; it claims no interrupted point
+    when none was."""
     import signal
 
+    from ocformer.checkpointing import MARKER
     from ocformer.sweeping import SweepInterrupted
+    from ocformer.sweeping._run import checkpoint_step
 
-    e = SweepInterrupted(signal.SIGTERM, interrupted=["a", "b"], unevaluated=["c"], not_started=2)
+    checkpoints = tmp_path / "points" / "a" / "run" / "checkpoints"
+    (checkpoints / "step_2").mkdir(parents=True)
+    (checkpoints / "step_2" / MARKER).write_text("{}")
+    (checkpoints / "step_4").mkdir()  # a save cut short: no marker
+    (tmp_path / "points" / "b" / "run").mkdir(parents=True)
+    steps = {n: checkpoint_step(str(tmp_path), n) for n in ("a", "b", "x")}
+    assert steps == {"a": 2, "b": None, "x": None}
+
+    e = SweepInterrupted(signal.SIGTERM, interrupted=steps, unevaluated=["c"], not_started=2)
     assert e.exit_code == 143
     assert str(e) == (
-        "stopped by SIGTERM: points a, b checkpointed and were recorded as interrupted; "
-        "point c trained, with evaluations still to run; 2 point(s) not started. Rerun the "
-        "same command to resume"
+        "stopped by SIGTERM: point a checkpointed at step 2 (resumes there); points b, x "
+        "stopped before their first checkpoint (restart from step 0); point c trained, with "
+        "evaluations still to run; 2 point(s) not started. Rerun the same command to resume"
     )
+    before = str(SweepInterrupted(signal.SIGINT, interrupted={"b": None}))
+    assert "checkpointed" not in before
+    assert "point b stopped before its first checkpoint (restarts from step 0)" in before
     only = str(SweepInterrupted(signal.SIGINT, unevaluated=["p"]))
     assert "interrupted" not in only.split(":", 1)[1] and "point p trained" in only

@@ -28,11 +28,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from ..checkpointing import atomic_write_text
+from ..checkpointing import CheckpointManager, atomic_write_text
 from ..distributed import stop_processes, supervised
 from ._spec import SweepError
 
@@ -59,22 +59,31 @@ STOP_GRACE_S = 60.0
 class SweepInterrupted(Exception):
     """The sweep was stopped by a signal (SIGTERM or SIGINT) after its running points
     were stopped and recorded as interrupted; the command exits with 128 + signal. The
-    message names what the stop left: the points interrupted in training, those trained
-    whose evaluations were not all written, and how many did not start."""
+    message names what the stop left: the points interrupted in training (each with the
+    step of its last committed checkpoint, where it resumes, or as stopped before its
+    first checkpoint, so that it starts again from step 0), those trained whose
+    evaluations were not all written, and how many did not start."""
 
     def __init__(
         self,
         signum: int,
-        interrupted: Sequence[str] = (),
+        interrupted: Mapping[str, int | None] | None = None,
         unevaluated: Sequence[str] = (),
         not_started: int = 0,
     ):
         self.signum = signum
         self.exit_code = 128 + signum
+        interrupted = dict(interrupted or {})
         left = []
-        if interrupted:
-            were = "was" if len(interrupted) == 1 else "were"
-            left.append(f"{_named(interrupted)} checkpointed and {were} recorded as interrupted")
+        for step, names in sorted(_by_step(interrupted).items()):
+            resume = "resumes" if len(names) == 1 else "resume"
+            left.append(f"{_named(names)} checkpointed at step {step} ({resume} there)")
+        before = [n for n, step in interrupted.items() if step is None]
+        if before:
+            their, restart = ("its", "restarts") if len(before) == 1 else ("their", "restart")
+            left.append(
+                f"{_named(before)} stopped before {their} first checkpoint ({restart} from step 0)"
+            )
         if unevaluated:
             left.append(f"{_named(unevaluated)} trained, with evaluations still to run")
         if not_started:
@@ -85,8 +94,22 @@ class SweepInterrupted(Exception):
         )
 
 
+def _by_step(interrupted: Mapping[str, int | None]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for name, step in interrupted.items():
+        if step is not None:
+            out.setdefault(step, []).append(name)
+    return out
+
+
 def _named(names: Sequence[str]) -> str:
     return ("point " if len(names) == 1 else "points ") + ", ".join(names)
+
+
+def checkpoint_step(sweep_dir: str, name: str) -> int | None:
+    """The step of the point's last committed checkpoint (where its training resumes),
+    None if it has none."""
+    return CheckpointManager(os.path.join(run_dir(sweep_dir, name), "checkpoints")).latest()
 
 
 def point_dir(sweep_dir: str, name: str) -> str:
@@ -257,9 +280,12 @@ def run_point(sweep_dir: str, point: dict) -> dict:
             # short by the terminal's SIGINT, or was SIGKILLed after the grace period),
             # the sweep stopped it.
             status["status"] = "interrupted"
-            status["error"] = (
-                f"the sweep was stopped by {signal.Signals(stopped_by).name}; rerun the "
-                "sweep to resume this point"
+            step = checkpoint_step(sweep_dir, point["name"])
+            status["error"] = f"the sweep was stopped by {signal.Signals(stopped_by).name}" + (
+                " before the point's first checkpoint: rerun the sweep to train it from step 0"
+                if step is None
+                else f"; the point's last checkpoint is step {step}: rerun the sweep to resume "
+                "from there"
             )
         status["command"] = command
         _write_status(path, status)
@@ -477,7 +503,11 @@ def run_local(
             states = {p["name"]: read_status(point_dir(sweep_dir, p["name"])) for p in todo}
             raise SweepInterrupted(
                 signum,
-                interrupted=[n for n, st in states.items() if st.get("status") == "interrupted"],
+                interrupted={
+                    n: checkpoint_step(sweep_dir, n)
+                    for n, st in states.items()
+                    if st.get("status") == "interrupted"
+                },
                 unevaluated=[
                     p["name"]
                     for p in todo
