@@ -7,7 +7,9 @@ step count and tolerances change). A thin wrapper over
 ``ocformer.evaluation.evaluate_run``.
 
 Exit codes as ``ocformer.train``: 0 done, 2 bad input (not a run directory, a field
-that is not a discretisation field, an invalid value, no checkpoint), 3 solver failure.
+that is not a discretisation field, an invalid value, no checkpoint), 3 solver failure,
+4 a validation loss that is NaN or Inf (``NonFiniteEvaluation``; with ``EQX_ON_ERROR=nan``
+a failed solve ends so too).
 """
 
 import argparse

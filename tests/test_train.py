@@ -630,3 +630,26 @@ def test_subword_samples_are_decoded_with_their_prompt(tmp_path, capsys):
     assert cli.main(argv) == ExitCode.OK
     sample = (tmp_path / "run" / "samples.txt").read_text(encoding="utf-8").split("\n", 1)[1]
     assert sample.startswith(words[0][:2]) and "##" not in sample, sample
+
+
+def test_a_non_finite_evaluation_is_refused_with_exit_code_4(monkeypatch):
+    """A NaN validation loss is no result: ``evaluate`` raises ``NonFiniteEvaluation``
+    (exit code 4), and says the solve failed when its step counts hold the fill value
+    that a failed solve gives under ``EQX_ON_ERROR=nan``."""
+    import jax
+
+    from ocformer.evaluation import _evaluate, evaluate
+    from ocformer.training import NonFiniteEvaluation
+
+    config = resolve(SMOKE, ["task.eval_batches=1", "task.eval_batch_size=4"])
+    model = build(config).model
+    nan = jax.tree.map(lambda x: x * jnp.nan if eqx.is_inexact_array(x) else x, model)
+    with pytest.raises(NonFiniteEvaluation, match="diverges under this discretisation") as e:
+        evaluate(config, nan)
+    assert e.value.exit_code == ExitCode.NON_FINITE == 4 and not e.value.solve_failed
+    failed = dict.fromkeys(("solver_steps", "accepted_steps", "rejected_steps"), 2**31 - 1)
+    monkeypatch.setattr(_evaluate, "solver_stats", lambda m, b: {**failed, "nfe": None})
+    with pytest.raises(NonFiniteEvaluation, match="its solve failed") as e:
+        evaluate(config, nan)
+    assert e.value.solve_failed
+    assert np.isfinite(evaluate(config, model)["val_loss"])

@@ -8,6 +8,7 @@ controls, readout) and rebuilds everything else from the changed configuration.
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 
@@ -15,6 +16,7 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..config import (
     Config,
@@ -27,6 +29,7 @@ from ..config import (
 from ..models import rediscretise
 from ..splitting import inner_solver
 from ..training import (
+    NonFiniteEvaluation,
     SolverFailure,
     build,
     build_discretisation,
@@ -194,6 +197,7 @@ def evaluate(config: Config, model, task=None) -> dict:
 
     Raises:
         SolverFailure: a diffrax solve failed (step ``0`` stands for evaluation).
+        NonFiniteEvaluation: the validation loss is NaN or Inf.
     """
     started = time.perf_counter()
     exp = build(config, task, record_source=False)  # its objective and task; model given
@@ -209,8 +213,11 @@ def evaluate(config: Config, model, task=None) -> dict:
         records = [{k: float(v) for k, v in step(model, b).items()} for b in batches]
         stats = solver_stats(model, batches[0])
     except eqx.EquinoxRuntimeError as e:
-        raise SolverFailure.from_error(0, e) from None
+        raise SolverFailure.from_error(0, e, where="in the evaluation") from None
     out = validation_metrics(records)
+    if not math.isfinite(out["val_loss"]):
+        fill = np.iinfo(np.int32).max  # what a failed solve's counts hold under EQX_ON_ERROR=nan
+        raise NonFiniteEvaluation(any(v == fill for v in stats.values() if v is not None))
     out.update(stats)
     out["eval_time_s"] = time.perf_counter() - started
     return out
@@ -231,6 +238,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
         ocformer.training.WorkdirError: not a run directory, or no checkpoint.
         ocformer.checkpointing.CheckpointError: a corrupted checkpoint.
         SolverFailure: a solve failed under the new discretisation.
+        NonFiniteEvaluation: the validation loss is NaN or Inf under it.
     """
     for text in overrides:
         check_discretisation_field(text.split("=", 1)[0].strip())

@@ -13,6 +13,7 @@ from ._errors import (
     ConfigChanged as ConfigChanged,
     ExitCode as ExitCode,
     NonFiniteError as NonFiniteError,
+    NonFiniteEvaluation as NonFiniteEvaluation,
     Preempted as Preempted,
     SolverFailure as SolverFailure,
     TrainingError as TrainingError,

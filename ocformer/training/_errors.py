@@ -49,11 +49,12 @@ class SolverFailure(TrainingError):
 
     exit_code = ExitCode.SOLVER_FAILURE
 
-    def __init__(self, step: int, solver_message: str):
+    def __init__(self, step: int, solver_message: str, where: str | None = None):
         self.solver_message = solver_message
+        where = f"at training step {step}" if where is None else where
         super().__init__(
             step,
-            f"the ODE solve failed at training step {step}: {solver_message.strip()} "
+            f"the ODE solve failed {where}: {solver_message.strip()} "
             "Loosen discretisation.rtol/atol (a tolerance below the dtype's resolution, "
             "1.2e-7 in float32, cannot be met), use discretisation.stepsize=constant, or give "
             "the solver more steps (an adaptive solve may take "
@@ -61,9 +62,10 @@ class SolverFailure(TrainingError):
         )
 
     @classmethod
-    def from_error(cls, step: int, error: Exception) -> "SolverFailure":
+    def from_error(cls, step: int, error: Exception, where: str | None = None) -> "SolverFailure":
         """The failure of ``step`` from the ``equinox.EquinoxRuntimeError`` that a failed
-        solve raises: diffrax's own message, without equinox's notes after it."""
+        solve raises: diffrax's own message, without equinox's notes after it. ``where``
+        says where the solve ran (default: ``"at training step {step}"``)."""
         text = str(error)
         marker = "EquinoxRuntimeError: "
         if marker in text:  # the message of a runtime error re-raised by JAX
@@ -71,7 +73,32 @@ class SolverFailure(TrainingError):
         text = text.split("\n---", 1)[0].strip()
         # diffrax's advice names its own argument, which ocformer derives from the grid
         # (the advice of the message above names what sets it).
-        return cls(step, text.replace(" Try increasing `max_steps`.", "").strip())
+        return cls(step, text.replace(" Try increasing `max_steps`.", "").strip(), where)
+
+
+class NonFiniteEvaluation(TrainingError):
+    """An evaluation whose validation loss is NaN or Inf (``ocformer.evaluate``, the
+    evaluations of a sweep): a model that diverges under the new discretisation, or a
+    failed solve under ``EQX_ON_ERROR=nan``, which turns the failure into NaN.
+    ``solve_failed``: the solver's statistics say its solve failed."""
+
+    exit_code = ExitCode.NON_FINITE
+
+    def __init__(self, solve_failed: bool):
+        self.solve_failed = solve_failed
+        if solve_failed:
+            why = (
+                "its solve failed (its step counts are the failure's fill values): with "
+                "EQX_ON_ERROR=nan, as sweeps run, a failed solve returns NaN; evaluate "
+                "without it for the solver's message, or loosen discretisation.rtol/atol "
+                "or use discretisation.stepsize=constant"
+            )
+        else:
+            why = (
+                "the trained model diverges under this discretisation; try more "
+                "discretisation.steps_per_layer or another stepper"
+            )
+        super().__init__(0, f"the validation loss is not finite (NaN or Inf): {why}.")
 
 
 class NonFiniteError(TrainingError):
