@@ -14,7 +14,6 @@ SIGKILL after 60 s; rerun the same command to resume).
 """
 
 import argparse
-import os
 import sys
 
 from ._cli import exit_with, fail
@@ -68,16 +67,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _report_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m ocformer.sweep report",
+        description="Rebuild results.csv, results.md and plots/ of a sweep directory from "
+        "its points, without running anything.",
+    )
+    p.add_argument("dir", metavar="DIR", help="the sweep directory (--workdir of the sweep)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
     if args_list[:1] == ["report"]:
-        if len(args_list) != 2:
-            return fail(_PROGRAM, 2, "usage: python -m ocformer.sweep report DIR")
-        if not os.path.isfile(os.path.join(args_list[1], "sweep.json")):
-            return fail(_PROGRAM, 2, f"{args_list[1]} is not a sweep directory (no sweep.json)")
-        result = report(args_list[1])
-        print(f"sweep: {len(result['rows'])} rows, {len(result['plots'])} plots in {args_list[1]}")
+        directory = _report_parser().parse_args(args_list[1:]).dir
+        try:
+            result = report(directory)
+        except SweepError as e:
+            return fail(_PROGRAM, 2, str(e))
+        print(f"sweep: {len(result['rows'])} rows, {len(result['plots'])} plots in {directory}")
         return 0
     args = _parser().parse_args(args_list)
     slurm = {

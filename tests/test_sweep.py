@@ -1077,3 +1077,28 @@ def test_an_interrupted_sweep_says_what_it_left(tmp_path):
     assert "point b stopped before its first checkpoint (restarts from step 0)" in before
     only = str(SweepInterrupted(signal.SIGINT, unevaluated=["p"]))
     assert "interrupted" not in only.split(":", 1)[1] and "point p trained" in only
+
+
+@pytest.mark.parametrize("text", ['{"id": "smoke", "points": [', "{}", "[]"])
+def test_an_unreadable_sweep_record_is_refused_naming_the_file(tmp_path, text, capsys):
+    """A sweep.json cut short, empty or not a record: the report and a rerun into the
+    directory exit 2 naming the file and what to do, with no traceback."""
+    from ocformer.sweeping._driver import check_workdir
+
+    (tmp_path / "sweep.json").write_text(text)
+    assert sweep_main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'sweep.json'}: " in err and "rerun the sweep command" in err, err
+    with pytest.raises(SweepError, match="move it away and rerun the sweep command"):
+        check_workdir(str(tmp_path), "smoke")
+
+
+def test_report_help_and_usage(tmp_path, capsys):
+    """``report --help`` prints the report's help; a directory without sweep.json is
+    refused as not a sweep directory."""
+    with pytest.raises(SystemExit) as e:
+        sweep_main(["report", "--help"])
+    assert e.value.code == 0
+    assert "usage: python -m ocformer.sweep report [-h] DIR" in capsys.readouterr().out
+    assert sweep_main(["report", str(tmp_path)]) == 2
+    assert "is not a sweep directory (no sweep.json)" in capsys.readouterr().err

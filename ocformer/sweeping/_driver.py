@@ -14,12 +14,12 @@ from typing import Any
 from ..checkpointing import atomic_write_text
 from ..training import DirectoryLock, WorkdirError, git_revision, package_versions
 from ._points import Point, check_buildable, resolve_points
-from ._results import report
+from ._results import SWEEP_FILE, read_sweep_info, report
 from ._run import is_finished, point_dir, read_status, run_local
 from ._slurm import executor_for, job_script, require_slurm, slurm_options, submit
 from ._spec import SEED_FIELD, Sweep, SweepError, load_sweep
 
-_SWEEP_FILE = "sweep.json"
+_SWEEP_FILE = SWEEP_FILE
 _OWN = {_SWEEP_FILE, ".lock", "points", "cache", "slurm", "plots", "results.csv", "results.md"}
 
 
@@ -41,8 +41,7 @@ def check_workdir(workdir: str, ident: str) -> None:
         raise SweepError(workdir, "is a file; give a directory for --workdir")
     file = os.path.join(workdir, _SWEEP_FILE)
     if os.path.isfile(file):
-        with open(file, encoding="utf-8") as f:
-            held = json.load(f).get("id")
+        held = read_sweep_info(workdir)["id"]
         if held != ident:
             raise SweepError(
                 workdir,

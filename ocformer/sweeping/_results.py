@@ -14,6 +14,7 @@ import numpy as np
 from ..checkpointing import atomic_write_text
 from ..training import MetricsLog
 from ._run import TRAINED, evaluation_file, point_dir, read_status, run_dir
+from ._spec import SweepError
 
 METRICS: tuple[str, ...] = (
     "final_val_loss",
@@ -79,6 +80,38 @@ def _training_metrics(path: str) -> dict:
     if records:
         out["step"] = records[-1].get("step")
     return out
+
+
+SWEEP_FILE = "sweep.json"
+# What ``report`` reads of a sweep record (written by the sweep driver).
+_RECORD_KEYS = ("id", "command", "train_fields", "eval_fields", "seed_field", "num_seeds", "points")
+
+
+def read_sweep_info(sweep_dir: str) -> dict:
+    """The record ``sweep.json`` of a sweep directory.
+
+    Raises:
+        SweepError: the file is missing, is not JSON (a write cut short) or lacks what
+            a sweep writes; the message names the file and the fix.
+    """
+    file = os.path.join(sweep_dir, SWEEP_FILE)
+    if not os.path.isfile(file):
+        raise SweepError(sweep_dir, f"is not a sweep directory (no {SWEEP_FILE})")
+    redo = (
+        f"move it away and rerun the sweep command that made {sweep_dir} (it rewrites "
+        f"{SWEEP_FILE}, and skips the points already finished in {sweep_dir}/points)"
+    )
+    try:
+        with open(file, encoding="utf-8") as f:
+            info = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SweepError(file, f"is not a readable sweep record ({e}); {redo}") from None
+    if not isinstance(info, dict):
+        raise SweepError(file, f"holds a {type(info).__name__}, not a sweep record; {redo}")
+    missing = [k for k in _RECORD_KEYS if k not in info]
+    if missing:
+        raise SweepError(file, f"is not a sweep record (no {', '.join(missing)}); {redo}")
+    return info
 
 
 def _read_json(path: str) -> dict:
@@ -371,9 +404,11 @@ def report(sweep_dir: str, make_plots: bool = True) -> dict:
 
     Returns:
         ``rows`` (results.csv), ``groups`` (results.md) and the written ``plots``.
+
+    Raises:
+        SweepError: ``sweep.json`` is missing or unreadable (see ``read_sweep_info``).
     """
-    with open(os.path.join(sweep_dir, "sweep.json"), encoding="utf-8") as f:
-        info = json.load(f)
+    info = read_sweep_info(sweep_dir)
     table = rows(sweep_dir, info)
     write_csv(os.path.join(sweep_dir, "results.csv"), table, columns(info))
     groups = aggregate(table, info)
