@@ -27,6 +27,7 @@ from ocformer.sweeping import (
     report,
     resolve_points,
     slurm_options,
+    zipped,
 )
 from ocformer.sweeping._results import METRICS, plot
 from ocformer.sweeping._run import _run_logged, read_status
@@ -151,6 +152,12 @@ def test_sweep_file_that_fails_to_import(tmp_path):
     msg = _refused(tmp_path, "import numpy\nraise RuntimeError('broken on purpose')\n")
     assert str(tmp_path / "bad.py") in msg
     assert "failed to import: RuntimeError: broken on purpose" in msg and "bad.py:5)" in msg
+    # A syntax error, and an error raised in a library the file calls, are placed at
+    # the sweep file's line, not in importlib's frozen machinery or in the library.
+    msg = _refused(tmp_path, "X = (\n", name="syntax")
+    assert "failed to import: SyntaxError" in msg and f"(at {tmp_path / 'syntax.py'}:4)" in msg
+    msg = _refused(tmp_path, "import json\njson.loads('{')\n", name="call")
+    assert "JSONDecodeError" in msg and f"(at {tmp_path / 'call.py'}:5)" in msg
     msg = _refused(tmp_path, "X = 1\n", name="nothing")
     assert "nothing.py: defines no get_sweep" in msg
     # The sweep files of the repository refuse an argument they do not take.
@@ -202,6 +209,8 @@ def test_empty_axis(tmp_path):
         """,
     )
     assert "bad.py" in msg and "axis 'num_layers': has no values" in msg
+    with pytest.raises(SweepError, match=r"axis 'z': sets no field; give each field its values"):
+        zipped("z", {})
 
 
 def test_invalid_point_is_named_with_its_field(tmp_path, capsys):

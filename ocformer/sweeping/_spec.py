@@ -119,6 +119,12 @@ def zipped(
     ["euler", "midpoint"]}, labels=["lie", "strang-midpoint"])``.
     """
     fields = tuple(settings)
+    if not fields:
+        raise SweepError(
+            f"axis {name!r}",
+            "sets no field; give each field its values, e.g. zipped(name, "
+            '{"model.num_layers": [1, 2], "model.d_model": [16, 32]})',
+        )
     columns = [tuple(settings[f]) for f in fields]
     lengths = {len(c) for c in columns}
     if len(lengths) > 1:
@@ -217,16 +223,25 @@ def load_sweep(spec: str) -> tuple[Sweep, str, str | None]:
             raise
         raise SweepError(path, str(e)) from None
     except Exception as e:
-        last = traceback.extract_tb(e.__traceback__)[-1]
-        raise SweepError(
-            path, f"{what} {type(e).__name__}: {e} (at {last.filename}:{last.lineno})"
-        ) from None
+        raise SweepError(path, f"{what} {type(e).__name__}: {e} (at {_where(e, path)})") from None
     if not isinstance(sweep, Sweep):
         raise SweepError(
             path,
             f"get_sweep returned {type(sweep).__name__}, expected ocformer.sweeping.Sweep",
         )
     return sweep, path, arg
+
+
+def _where(e: Exception, path: str) -> str:
+    """``file:line`` of an error raised by a sweep file: a syntax error's own place; else
+    the sweep file's last frame, so that the place is not importlib's frozen machinery;
+    else the innermost frame."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}"
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if os.path.abspath(f.filename) == path]
+    last = (own or frames)[-1]
+    return f"{last.filename}:{last.lineno}"
 
 
 def experiment_path(sweep: Sweep, sweep_path: str) -> str:
