@@ -653,3 +653,23 @@ def test_a_non_finite_evaluation_is_refused_with_exit_code_4(monkeypatch):
         evaluate(config, nan)
     assert e.value.solve_failed
     assert np.isfinite(evaluate(config, model)["val_loss"])
+
+
+@pytest.mark.parametrize(
+    ("key", "words"),
+    [
+        ("model.widht", "unknown field model.widht; did you mean model.width?"),
+        ("steps_per_layer", "a field is given with its section: discretisation.steps_per_layer"),
+        ("discretisaton.rtol", "unknown section discretisaton; did you mean discretisation?"),
+        ("model.width", "model.width changes the trained problem itself"),
+    ],
+)
+def test_an_evaluation_override_is_named_for_what_is_wrong_with_it(key, words):
+    """A typo is a typo (with the nearest field), a field without its section is told
+    its section, and only a real field outside the discretisation is "the trained
+    problem"."""
+    from ocformer.evaluation._evaluate import check_discretisation_field
+
+    with pytest.raises(ConfigError, match=words.replace("?", r"\?")):
+        check_discretisation_field(key)
+    check_discretisation_field("discretisation.steps_per_layer")
