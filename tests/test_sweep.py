@@ -500,6 +500,39 @@ def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path, monkey
     }
 
 
+def test_loss_against_cost_draws_one_line_per_trained_model(tmp_path, monkeypatch):
+    """With an evaluation axis, the loss-against-cost picture joins each trained
+    model's evaluations (one line per value of the training axis), not every point in
+    order of cost across models; a re-report first removes the plots of an earlier one
+    (and only those)."""
+    groups = []
+    for layers in (2, 1):
+        for steps in (2, 1):
+            g = dict.fromkeys(METRICS)
+            g.update({"model.num_layers": layers, "eval.discretisation.steps_per_layer": steps})
+            g["final_val_loss"] = (2.0 + 0.1 * layers + 0.01 * steps, 0.0, 1)
+            g["solver_steps"] = (float(layers * steps), 0.0, 1)
+            groups.append(g)
+    info = {
+        "id": "layers",
+        "train_fields": ["model.num_layers", "train.seed"],
+        "eval_fields": ["discretisation.steps_per_layer"],
+        "seed_field": "train.seed",
+        "num_seeds": 1,
+    }
+    stale = tmp_path / "rejected_steps_vs_model_num_layers.png"
+    stale.write_bytes(b"an earlier report's plot")
+    (tmp_path / "mine.png").write_bytes(b"not the report's")
+    drawn = _record_plots(monkeypatch)
+    plot(groups, info, str(tmp_path))
+    assert drawn["final_val_loss_vs_cost_solver_steps.png"]["lines"] == {
+        "num_layers=1": ([1.0, 2.0], [2.11, 2.12], "-"),
+        "num_layers=2": ([2.0, 4.0], [2.21, 2.22], "-"),
+    }
+    assert not stale.exists() and (tmp_path / "mine.png").exists()
+    assert {p.name for p in tmp_path.glob("*.png")} == {*drawn, "mine.png"}
+
+
 def test_plots_put_a_categorical_axis_on_x_when_no_axis_is_numeric(tmp_path, monkeypatch):
     """Without a numeric axis the solvers go on x, one tick each, as points with no line
     between them."""

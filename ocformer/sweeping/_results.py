@@ -290,7 +290,9 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
     decade or more), one line per value of the other axes; a sweep without numeric
     axes puts each categorical axis on x instead. Where the vector-field evaluations
     (or solver steps) vary, the validation loss is also drawn against them:
-    ``final_val_loss_vs_cost_nfe.png``, the accuracy-cost picture."""
+    ``final_val_loss_vs_cost_nfe.png``, the accuracy-cost picture, one line per
+    trained model through its evaluations where the sweep has evaluation axes. The
+    plots of an earlier report are removed first."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -300,6 +302,11 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
     varying = [k for k in keys if len({json.dumps(g[k]) for g in groups}) > 1]
     numeric_axes = [k for k in varying if _numeric(groups, k)]
     os.makedirs(folder, exist_ok=True)
+    # The plots of an earlier report go first: one drawn then but not now (a metric
+    # that no longer varies, an axis renamed) would read as a result of this sweep.
+    for name in os.listdir(folder):
+        if name.endswith(".png") and name.startswith(tuple(f"{m}_vs_" for m in _PLOTS)):
+            os.remove(os.path.join(folder, name))
     written = []
 
     def save(fig, ax, title: str, file: str) -> None:
@@ -367,9 +374,13 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
             ax.set_ylabel(ylabel(m))
             save(fig, ax, f"{m} vs {x.split('.')[-1]}", f"{m}_vs_{x.replace('.', '_')}.png")
 
-    # Accuracy against cost: one line per value of the categorical axes, through the
-    # numeric ones in the order of their cost.
-    categorical = [k for k in varying if k not in numeric_axes]
+    # Accuracy against cost. With evaluation axes, one line per trained model (and
+    # value of the categorical evaluation axes) through its numeric evaluation axes:
+    # a line joining different models' evaluations would zig-zag between them.
+    # Without, one line per value of the categorical axes through the numeric
+    # training axes, in the order of their cost.
+    along = [k for k in numeric_axes if k.startswith("eval.")] or numeric_axes
+    categorical = [k for k in varying if k not in along]
     for cost in ("nfe", "solver_steps"):
         costed = [g for g in groups if g[cost] is not None and g["final_val_loss"] is not None]
         if len({g[cost][0] for g in costed}) < 2:
