@@ -72,3 +72,12 @@ def test_the_library_studies_refuse_what_the_command_line_refuses():
             convergence_study(schemes, steps)
     with pytest.raises(ValueError, match="at least two distinct positive step counts"):
         gradient_comparison(steps_per_layer=(2, 2), solver="euler")
+
+
+def test_a_refusal_names_the_command_and_its_options(capsys):
+    """The library's refusal in the command line's words: the program, then
+    ``--relaxation-eps 0.01`` and ``--formulation pre`` for its keyword arguments."""
+    assert cli.main(["convergence", "--steps", "2,4", "--relaxation-eps", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ocformer.analysis: error: --relaxation-eps 0.01 is the epsilon")
+    assert "got --formulation pre. Use --formulation relaxed." in err

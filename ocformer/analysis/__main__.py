@@ -20,6 +20,13 @@ from ..checkpointing import atomic_write_text, output_problem
 # so 64-bit JAX, enabled in main before anything is computed, still applies.
 from ._convergence import STUDY_FORMULATIONS
 
+_PROGRAM = "ocformer.analysis"
+
+
+def _option(match: re.Match) -> str:
+    """``name=value`` of a keyword argument as the command line's ``--name value``."""
+    return f"--{match.group(1).replace('_', '-')} {match.group(2)}"
+
 
 def _listed(text: str, parse, what: str, example: str) -> list:
     """Comma-separated distinct values, each through ``parse``; at least one. Raises
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         args.formulation != "relaxed" or args.relaxation_eps is not None
     ):
         return fail(
-            None,
+            _PROGRAM,
             2,
             "--epsilons are the epsilons of the error in epsilon of --formulation relaxed "
             "without --relaxation-eps; this study does not read them: drop --epsilons",
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
         problem = None if path is None else output_problem(path, option)
         if problem is not None:
-            return fail(None, 2, f"{problem} (checked before computing; nothing was computed)")
+            return fail(_PROGRAM, 2, f"{problem} (checked before computing; nothing was computed)")
 
     import jax
 
@@ -177,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             **({} if args.epsilons is None else {"epsilons": args.epsilons}),
             relaxation_eps=args.relaxation_eps,
         )
-    except ValueError as err:
-        return fail(None, 2, str(err))
+    except ValueError as err:  # the library's words for its arguments, as options
+        text = re.sub(r"\b(relaxation_eps|formulation)='?([\w.+-]+)'?", _option, str(err))
+        return fail(_PROGRAM, 2, text)
     print(format_table(result))
     if args.json_path:
         # Strict JSON: a non-finite number (the local slope of an exact scheme) as null.
