@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         except SweepError as e:
             return fail(_PROGRAM, 2, str(e))
         print(f"sweep: {len(result['rows'])} rows, {len(result['plots'])} plots in {directory}")
+        if result["unfinished"]:
+            print(f"sweep: {result['unfinished']}", file=sys.stderr)
         return 0
     args = _parser().parse_args(args_list)
     slurm = {

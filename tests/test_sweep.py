@@ -422,6 +422,65 @@ def test_report_reads_a_metrics_file_cut_by_a_kill(tmp_path):
     assert out["rows"][0]["train_steps_per_s"] == 20.0
 
 
+def test_report_says_which_points_are_unfinished(tmp_path, capsys):
+    """A partly finished sweep (its process SIGKILLed): the report names the missing
+    points by state, in its summary and results.md, and a point recorded as running
+    whose processes are gone on this host reads as interrupted; a record from another
+    host is not second-guessed."""
+    import subprocess
+
+    sweep_dir = str(tmp_path)
+    names = ["done", "killed", "elsewhere", "unevaluated", "unstarted"]
+    points = [
+        {
+            "name": n,
+            "evaluations": [{"name": "fine", "sets": [], "labels": {}, "settings": {}}],
+            "settings": {"model.num_layers": i},
+            "config": {},
+        }
+        for i, n in enumerate(names)
+    ]
+    info = {
+        "id": "partial",
+        "command": "c",
+        "train_fields": ["model.num_layers"],
+        "eval_fields": [],
+        "seed_field": "train.seed",
+        "num_seeds": 1,
+        "points": points,
+    }
+    (tmp_path / "sweep.json").write_text(json.dumps(info))
+    for p in points[:4]:
+        _fake_point(sweep_dir, p, [2.0], [0.1])
+    (tmp_path / "points" / "done" / "evaluations" / "fine.json").write_text("{}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    here = os.uname().nodename
+    for name, host in (("killed", here), ("elsewhere", "another-node")):
+        record = {"status": "running", "host": host, "pid": dead.pid, "process": dead.pid}
+        (tmp_path / "points" / name / "sweep_point.json").write_text(json.dumps(record))
+    assert sweep_main(["report", sweep_dir]) == 0
+    err = capsys.readouterr().err
+    want = (
+        "4 of 5 points unfinished: 1 interrupted (rerun the sweep to resume): killed; "
+        "1 running (running, or killed on another host): elsewhere; 1 evaluations pending "
+        "(rerun the sweep to evaluate): unevaluated; 1 not started (rerun the sweep to "
+        "run): unstarted"
+    )
+    assert f"sweep: {want}\n" in err, err
+    assert f"**{want}.**" in (tmp_path / "results.md").read_text()
+    status = {
+        r["point"]: r for r in read_csv(tmp_path / "results.csv") if r["evaluation"] == "trained"
+    }
+    assert status["killed"]["status"] == "interrupted"
+    assert f"pid {dead.pid} on {here} is gone" in status["killed"]["error"]
+    assert status["elsewhere"]["status"] == "running" and status["done"]["status"] == "done"
+    # Nothing missing: no summary.
+    info["points"] = points[:1]
+    (tmp_path / "sweep.json").write_text(json.dumps(info))
+    assert report(sweep_dir, make_plots=False)["unfinished"] is None
+
+
 def _record_plots(monkeypatch) -> dict:
     """What ``plot`` draws, read from each figure as it is saved: file name -> the x
     label, the x tick labels and, for each line, its label, x, y and line style."""

@@ -121,6 +121,80 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
+def point_state(sweep_dir: str, point: dict) -> tuple[str, str | None]:
+    """Where a point of ``sweep.json`` stands, read from its directory: ``finished``,
+    ``failed``, ``interrupted``, ``running``, ``evaluations pending`` or ``not
+    started``, and for a point whose record says ``running`` but whose processes are
+    gone, why it counts as interrupted.
+
+    A ``running`` record names the host and the pids of the process running the point
+    and of its training process; they are looked up only on that host (a record from
+    another host, as from a SLURM array task, is taken at its word).
+    """
+    path = point_dir(sweep_dir, point["name"])
+    status = read_status(path)
+    state = status.get("status")
+    if not status:
+        return "not started", None
+    if state == "running":
+        host = status.get("host")
+        pids = [status.get("pid"), status.get("process")]
+        if host == os.uname().nodename and not any(_alive(p) for p in pids):
+            gone = " and ".join(dict.fromkeys(str(p) for p in pids if p is not None))
+            return "interrupted", (
+                f"no process: the record says running, but pid {gone} on {host} is gone "
+                "(the sweep was killed); rerun the sweep to resume this point"
+            )
+        return "running", None
+    if state == "done":
+        names = [TRAINED, *(e["name"] for e in point["evaluations"])]
+        if all(os.path.isfile(evaluation_file(path, n)) for n in names):
+            return "finished", None
+        return "evaluations pending", None
+    return ("failed" if state == "failed" else "interrupted"), None
+
+
+_HOW = {
+    "interrupted": "rerun the sweep to resume",
+    "running": "running, or killed on another host",
+    "failed": "rerun the sweep to retry",
+    "evaluations pending": "rerun the sweep to evaluate",
+    "not started": "rerun the sweep to run",
+}
+
+
+def unfinished_summary(sweep_dir: str, info: dict) -> str | None:
+    """``"2 of 4 points unfinished: 1 interrupted (...): a; 1 ..."``, or None when
+    every point of ``sweep.json`` is finished."""
+    by_state: dict[str, list[str]] = {}
+    for p in info["points"]:
+        state, _ = point_state(sweep_dir, p)
+        if state != "finished":
+            by_state.setdefault(state, []).append(p["name"])
+    if not by_state:
+        return None
+    count = sum(len(v) for v in by_state.values())
+    parts = []
+    for state, how in _HOW.items():
+        names = by_state.get(state, [])
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{len(names)} {state} ({how}): {shown}")
+    return f"{count} of {len(info['points'])} points unfinished: " + "; ".join(parts)
+
+
 def rows(sweep_dir: str, info: dict) -> list[dict]:
     """One row per point and seed (the trained discretisation) plus one per
     evaluation-time discretisation, for every point of ``sweep.json``."""
@@ -141,6 +215,9 @@ def rows(sweep_dir: str, info: dict) -> list[dict]:
             "exit_code": status.get("exit_code"),
             "error": status.get("error"),
         }
+        state, why = point_state(sweep_dir, p)
+        if why is not None:  # recorded as running by a process that is gone
+            row.update(status=state, error=why)
         for key in ("wall_time_s", "compile_time_s", "cache_hits", "peak_rss_mb"):
             row[key] = status.get(key)
         row.update(_training_metrics(run_dir(sweep_dir, p["name"])))
@@ -414,7 +491,8 @@ def report(sweep_dir: str, make_plots: bool = True) -> dict:
     """Re-aggregate a sweep directory from its point directories (runs nothing).
 
     Returns:
-        ``rows`` (results.csv), ``groups`` (results.md) and the written ``plots``.
+        ``rows`` (results.csv), ``groups`` (results.md), the written ``plots`` and
+        ``unfinished``: what is missing (``unfinished_summary``), None if nothing.
 
     Raises:
         SweepError: ``sweep.json`` is missing or unreadable (see ``read_sweep_info``).
@@ -423,11 +501,13 @@ def report(sweep_dir: str, make_plots: bool = True) -> dict:
     table = rows(sweep_dir, info)
     write_csv(os.path.join(sweep_dir, "results.csv"), table, columns(info))
     groups = aggregate(table, info)
+    missing = unfinished_summary(sweep_dir, info)
     text = (
         f"# {info['id']}\n\n`{info['command']}`\n\n"
-        "Mean +- std over seeds (the population std, ddof=0; n: finished runs).\n\n"
+        + (f"**{missing}.**\n\n" if missing else "")
+        + "Mean +- std over seeds (the population std, ddof=0; n: finished runs).\n\n"
         + markdown(groups, info)
     )
     atomic_write_text(os.path.join(sweep_dir, "results.md"), text)
     plots = plot(groups, info, os.path.join(sweep_dir, "plots")) if make_plots else []
-    return {"rows": table, "groups": groups, "plots": plots}
+    return {"rows": table, "groups": groups, "plots": plots, "unfinished": missing}
