@@ -481,6 +481,37 @@ def test_report_says_which_points_are_unfinished(tmp_path, capsys):
     assert report(sweep_dir, make_plots=False)["unfinished"] is None
 
 
+def test_report_warns_of_finished_points_no_longer_in_the_sweep(tmp_path, capsys):
+    """A rerun with fewer seeds rewrites sweep.json without the points it dropped: the
+    report says, on stderr and in results.md, which finished points it leaves out."""
+    sweep_dir = str(tmp_path)
+    points = [
+        {"name": f"seed={i}-h", "evaluations": [], "settings": {"train.seed": i}, "config": {}}
+        for i in range(4)
+    ]
+    info = {
+        "id": "fewer",
+        "command": "c",
+        "train_fields": ["train.seed"],
+        "eval_fields": [],
+        "seed_field": "train.seed",
+        "num_seeds": 1,
+        "points": points[:1],
+    }
+    (tmp_path / "sweep.json").write_text(json.dumps(info))
+    for i, p in enumerate(points):
+        _fake_point(sweep_dir, p, [2.0], [0.1], "failed" if i == 3 else "done")
+    out = report(sweep_dir, make_plots=False)
+    want = (
+        f"2 finished points in {tmp_path / 'points'} are no longer part of this sweep and "
+        "are left out of the report: seed=1-h, seed=2-h"
+    )
+    assert out["left_out"].startswith(want)
+    assert f"sweep: warning: {want}" in capsys.readouterr().err
+    assert want in (tmp_path / "results.md").read_text()
+    assert len(out["rows"]) == 1
+
+
 def _record_plots(monkeypatch) -> dict:
     """What ``plot`` draws, read from each figure as it is saved: file name -> the x
     label, the x tick labels and, for each line, its label, x, y and line style."""

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -193,6 +194,24 @@ def unfinished_summary(sweep_dir: str, info: dict) -> str | None:
             shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
             parts.append(f"{len(names)} {state} ({how}): {shown}")
     return f"{count} of {len(info['points'])} points unfinished: " + "; ".join(parts)
+
+
+def left_out_summary(sweep_dir: str, info: dict) -> str | None:
+    """The finished points in ``DIR/points`` that ``sweep.json`` no longer holds (a
+    rerun with fewer seeds or values, or an edited sweep file, rewrote it), which the
+    report leaves out; None when there are none."""
+    folder = os.path.join(sweep_dir, "points")
+    names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    names -= {p["name"] for p in info["points"]}
+    done = sorted(n for n in names if read_status(point_dir(sweep_dir, n)).get("status") == "done")
+    if not done:
+        return None
+    shown = ", ".join(done[:5]) + (f" and {len(done) - 5} more" if len(done) > 5 else "")
+    return (
+        f"{len(done)} finished points in {folder} are no longer part of this sweep and are "
+        f"left out of the report: {shown} (rerun the sweep with the seeds and values that "
+        "made them to report them again; nothing reruns)"
+    )
 
 
 def rows(sweep_dir: str, info: dict) -> list[dict]:
@@ -492,7 +511,9 @@ def report(sweep_dir: str, make_plots: bool = True) -> dict:
 
     Returns:
         ``rows`` (results.csv), ``groups`` (results.md), the written ``plots`` and
-        ``unfinished``: what is missing (``unfinished_summary``), None if nothing.
+        ``unfinished``: what is missing (``unfinished_summary``), None if nothing;
+        ``left_out``: finished points no longer in ``sweep.json``
+        (``left_out_summary``, also printed on stderr), None if none.
 
     Raises:
         SweepError: ``sweep.json`` is missing or unreadable (see ``read_sweep_info``).
@@ -502,12 +523,22 @@ def report(sweep_dir: str, make_plots: bool = True) -> dict:
     write_csv(os.path.join(sweep_dir, "results.csv"), table, columns(info))
     groups = aggregate(table, info)
     missing = unfinished_summary(sweep_dir, info)
+    left_out = left_out_summary(sweep_dir, info)
     text = (
         f"# {info['id']}\n\n`{info['command']}`\n\n"
         + (f"**{missing}.**\n\n" if missing else "")
+        + (f"**{left_out}.**\n\n" if left_out else "")
         + "Mean +- std over seeds (the population std, ddof=0; n: finished runs).\n\n"
         + markdown(groups, info)
     )
     atomic_write_text(os.path.join(sweep_dir, "results.md"), text)
     plots = plot(groups, info, os.path.join(sweep_dir, "plots")) if make_plots else []
-    return {"rows": table, "groups": groups, "plots": plots, "unfinished": missing}
+    if left_out:
+        print(f"sweep: warning: {left_out}", file=sys.stderr)
+    return {
+        "rows": table,
+        "groups": groups,
+        "plots": plots,
+        "unfinished": missing,
+        "left_out": left_out,
+    }
