@@ -29,6 +29,17 @@ def sweep_id(sweep_path: str, arg: str | None) -> str:
     return name if arg is None else f"{name}:{arg}"
 
 
+def _recorded_id(file: str) -> str | None:
+    """The sweep id a ``sweep.json`` names, None if it names none (or is unreadable)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            info = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    held = info.get("id") if isinstance(info, dict) else None
+    return held if isinstance(held, str) else None
+
+
 def check_workdir(workdir: str, ident: str) -> None:
     """Refuse a work directory that holds another sweep or something else.
 
@@ -41,13 +52,14 @@ def check_workdir(workdir: str, ident: str) -> None:
         raise SweepError(workdir, "is a file; give a directory for --workdir")
     file = os.path.join(workdir, _SWEEP_FILE)
     if os.path.isfile(file):
-        held = read_sweep_info(workdir)["id"]
-        if held != ident:
+        held = _recorded_id(file)
+        if held is not None and held != ident:
             raise SweepError(
                 workdir,
                 f"holds the results of sweep {held!r}, not {ident!r}; give another --workdir "
                 "(a directory holds one sweep, so that no result is overwritten)",
             )
+        read_sweep_info(workdir)  # the record of this sweep must be whole
         return
     foreign = sorted(set(os.listdir(workdir)) - _OWN)
     if foreign:
