@@ -1213,16 +1213,15 @@ def test_an_interrupted_sweep_says_what_it_left(tmp_path):
 
 @pytest.mark.parametrize("text", ['{"id": "smoke", "points": [', "{}", "[]"])
 def test_an_unreadable_sweep_record_is_refused_naming_the_file(tmp_path, text, capsys):
-    """A sweep.json cut short, empty or not a record: the report and a rerun into the
-    directory exit 2 naming the file and what to do, with no traceback."""
-    from ocformer.sweeping._driver import check_workdir
-
+    """A sweep.json cut short, empty or not a record: the report exits 2 naming the file
+    and what to do, with no traceback; a rerun of the sweep into the directory is not
+    refused (it rewrites the record under its lock; here a dry run plans both points)."""
     (tmp_path / "sweep.json").write_text(text)
     assert sweep_main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'sweep.json'}: " in err and "rerun the sweep command" in err, err
-    with pytest.raises(SweepError, match="move it away and rerun the sweep command"):
-        check_workdir(str(tmp_path), "smoke")
+    assert sweep_main([SMOKE_SWEEP, "--workdir", str(tmp_path), "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("evaluations: to run") == 2
 
 
 def test_report_help_and_usage(tmp_path, capsys):

@@ -14,7 +14,7 @@ from typing import Any
 from ..checkpointing import atomic_write_text
 from ..training import DirectoryLock, WorkdirError, git_revision, package_versions
 from ._points import Point, check_buildable, resolve_points
-from ._results import SWEEP_FILE, read_sweep_info, report
+from ._results import SWEEP_FILE, report
 from ._run import is_finished, point_dir, read_status, run_local
 from ._slurm import executor_for, job_script, require_slurm, slurm_options, submit
 from ._spec import SEED_FIELD, Sweep, SweepError, load_sweep
@@ -59,8 +59,7 @@ def check_workdir(workdir: str, ident: str) -> None:
                 f"holds the results of sweep {held!r}, not {ident!r}; give another --workdir "
                 "(a directory holds one sweep, so that no result is overwritten)",
             )
-        read_sweep_info(workdir)  # the record of this sweep must be whole
-        return
+        return  # a record cut short is this sweep's to rewrite, under its lock
     foreign = sorted(set(os.listdir(workdir)) - _OWN)
     if foreign:
         raise SweepError(
