@@ -99,7 +99,7 @@ def read_sweep_info(sweep_dir: str) -> dict:
     if not os.path.isfile(file):
         raise SweepError(sweep_dir, f"is not a sweep directory (no {SWEEP_FILE})")
     redo = (
-        f"move it away and rerun the sweep command that made {sweep_dir} (it rewrites "
+        f"rerun the sweep command that made {sweep_dir} (it rewrites "
         f"{SWEEP_FILE}, and skips the points already finished in {sweep_dir}/points)"
     )
     try:
