@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, Preempted):
             _exit_at_once_on_interrupt()
         return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
-    except jax.errors.JaxRuntimeError as e:
+    except (jax.errors.JaxRuntimeError, ValueError) as e:  # ValueError: see lost_peer
         if not lost_peer(e):
             raise
         # Another process ended (killed, or failed): its own report is the cause; this

@@ -797,6 +797,11 @@ def test_only_a_transport_failure_of_several_processes_is_a_lost_peer(monkeypatc
     assert lost_peer(gloo)
     assert not lost_peer(oom)
     assert not lost_peer(ValueError("Connection reset by peer"))
+    # What a jitted gather raises when the peer goes during a checkpoint's barrier.
+    barrier = ValueError("UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error "
+                         "[127.0.0.1]:12484: Connection reset by peer")  # fmt: skip
+    assert lost_peer(barrier)
+    assert not lost_peer(ValueError("INVALID_ARGUMENT: shapes (2,) and (3,) differ"))
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,9 @@ _LOST_PEER = re.compile(
     re.IGNORECASE,
 )
 
+# An XLA status code, as runtime errors start: "UNKNOWN: ...", "UNAVAILABLE: ...".
+_XLA_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
+
 _ADDRESS = re.compile(r"^\[?[A-Za-z0-9_.:-]+\]?:\d{1,5}$")
 
 
@@ -274,9 +277,11 @@ def initialize(
 
 def lost_peer(error: BaseException) -> bool:
     """Whether ``error`` is a collective of a run of several processes that failed
-    because another process ended (a JAX runtime error naming a transport failure)."""
-    return (
-        jax.process_count() > 1
-        and isinstance(error, jax.errors.JaxRuntimeError)
-        and bool(_LOST_PEER.search(str(error)))
+    because another process ended: a JAX runtime error naming a transport failure, or
+    the ``ValueError`` carrying XLA's status (``UNKNOWN: Gloo AllGather failed: ...``)
+    that a jitted gather raises, as ``multihost_utils.sync_global_devices`` does in a
+    checkpoint's barrier."""
+    runtime = isinstance(error, jax.errors.JaxRuntimeError) or (
+        isinstance(error, ValueError) and bool(_XLA_STATUS.match(str(error)))
     )
+    return jax.process_count() > 1 and runtime and bool(_LOST_PEER.search(str(error)))
