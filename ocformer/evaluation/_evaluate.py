@@ -55,10 +55,10 @@ def check_discretisation_field(key: str) -> None:
     """
     if key.split(".", 1)[0] not in DISCRETISATION_SECTIONS:
         allowed = ", ".join(f"{s}.*" for s in DISCRETISATION_SECTIONS)
-        named = [f"{s}.{key}" for s in DISCRETISATION_SECTIONS if "." not in key]
-        named = [n for n in named if n.split(".")[1] in to_dict(Config())[n.split(".")[0]]]
-        if named:
-            raise ConfigError(key, f"a field is given with its section: {named[0]}")
+        defaults = to_dict(Config())
+        for section in DISCRETISATION_SECTIONS:
+            if key in defaults[section]:  # a field of the section, given without it
+                raise ConfigError(key, f"a field is given with its section: {section}.{key}")
         check_keys(key)  # an unknown section or field, with the nearest one
         raise ConfigError(
             key,
