@@ -94,6 +94,20 @@ def end_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (another user's counts); a pid
+    below 1 names none (``os.kill`` would take 0 and -1 for groups)."""
+    if pid < 1:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
 def exit_with(main: Callable[[], int]) -> NoReturn:
     """Exit with ``main()``'s code, as a ``python -m`` entry point: its output may go to
     a reader that stops reading early, and its supervisor, if any, may end before it

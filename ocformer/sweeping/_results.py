@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .._cli import process_exists
 from ..checkpointing import atomic_write_text
 from ..training import MetricsLog
 from ._run import TRAINED, evaluation_file, point_dir, read_status, run_dir
@@ -122,18 +123,6 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
-def _alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        return True
-    return True
-
-
 def point_state(sweep_dir: str, point: dict) -> tuple[str, str | None]:
     """Where a point of ``sweep.json`` stands, read from its directory: ``finished``,
     ``failed``, ``interrupted``, ``running``, ``evaluations pending`` or ``not
@@ -152,7 +141,9 @@ def point_state(sweep_dir: str, point: dict) -> tuple[str, str | None]:
     if state == "running":
         host = status.get("host")
         pids = [status.get("pid"), status.get("process")]
-        if host == os.uname().nodename and not any(_alive(p) for p in pids):
+        if host == os.uname().nodename and not any(
+            isinstance(p, int) and process_exists(p) for p in pids
+        ):
             gone = " and ".join(dict.fromkeys(str(p) for p in pids if p is not None))
             return "interrupted", (
                 f"no process: the record says running, but pid {gone} on {host} is gone "

@@ -49,6 +49,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from .._cli import process_exists
 from ._base import DataNotFoundError
 from ._tokenizer import (
     TOKENIZER_FILE,
@@ -506,18 +507,8 @@ def _remove_stale_partials(out: pathlib.Path) -> None:
         return
     for path in out.parent.iterdir():
         m = _PARTIAL.fullmatch(path.name)
-        if m and m["name"] == out.name and path.is_dir() and not _alive(int(m["pid"])):
+        if m and m["name"] == out.name and path.is_dir() and not process_exists(int(m["pid"])):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_json(path: pathlib.Path, data: dict) -> None:
