@@ -4,7 +4,8 @@ code.
 The line reads as argparse's own errors do (``PROG: error: MESSAGE``), so a bad option
 and a bad configuration look alike to a user and to whatever reads the process's last
 line (the sweep records it as a point's error). Every ``main(argv)`` of the package
-reports through :func:`fail`.
+reports through :func:`fail`. The module also holds what the commands know of
+processes: the parent a supervised child ends with, and whether a recorded process runs.
 """
 
 import ctypes
