@@ -198,6 +198,18 @@ def test_axis_value_of_the_wrong_type(tmp_path):
     )
     assert "strings.py: training axis 'num_layers', value '2'" in msg
     assert "model.num_layers: expected int, got '2' (str)" in msg
+    # The fields every point sets are read the same way.
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layers", [1])],
+                         overrides={"train.steps": "4"})
+        """,
+        name="overrides",
+    )
+    assert "overrides.py: overrides" in msg
+    assert "train.steps: expected int, got '4' (str)" in msg
 
 
 def test_empty_axis(tmp_path):

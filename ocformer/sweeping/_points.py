@@ -115,20 +115,30 @@ def _check_axis(sweep_path: str, ax: Axis, kind: str) -> None:
         for label, values in zip(ax.labels, ax.values):
             value = dict(zip(ax.fields, values))[field]
             where = f"{sweep_path}: {kind} axis {ax.name!r}, value {label!r}"
-            try:
-                parsed = parse_override(f"{field}={format_value(value)}")[1]
-                if kind == "evaluation":
+            if kind == "evaluation":
+                try:
                     check_discretisation_field(field)
-            except ConfigError as e:
-                raise SweepError(where, str(e)) from None
-            if not _same(parsed, value):
-                # The text would parse (e.g. the string "2" for an int field), but the
-                # sweep file holds a value of another type: a mistake worth naming.
-                raise SweepError(
-                    where,
-                    f"{field}: expected {type(parsed).__name__}, got {value!r} "
-                    f"({type(value).__name__})",
-                )
+                except ConfigError as e:
+                    raise SweepError(where, str(e)) from None
+            _check_value(where, field, value)
+
+
+def _check_value(where: str, field: str, value: Any) -> str:
+    """``value``, set on ``field`` by a sweep file, as its ``--set`` text; refused naming
+    ``where`` when the field's type reads it as something else."""
+    text = f"{field}={format_value(value)}"
+    try:
+        parsed = parse_override(text)[1]
+    except ConfigError as e:
+        raise SweepError(where, str(e)) from None
+    if not _same(parsed, value):
+        # The text would parse (e.g. the string "2" for an int field), but the sweep
+        # file holds a value of another type: a mistake worth naming.
+        raise SweepError(
+            where,
+            f"{field}: expected {type(parsed).__name__}, got {value!r} ({type(value).__name__})",
+        )
+    return text
 
 
 def _combinations(axes: Sequence[Axis]):
@@ -205,12 +215,7 @@ def resolve_points(
         _check_axis(sweep_path, ax, "evaluation")
     fixed = [QUIET]
     for field, value in sweep.overrides.items():
-        text = f"{field}={format_value(value)}"
-        try:
-            parse_override(text)
-        except ConfigError as e:
-            raise SweepError(f"{sweep_path}: overrides", str(e)) from None
-        fixed.append(text)
+        fixed.append(_check_value(f"{sweep_path}: overrides", field, value))
     seed_values = list(range(seeds)) if seeds is not None else [int(s) for s in sweep.seeds]
     if not seed_values:
         raise SweepError("--seeds", "needs at least one seed")
