@@ -310,6 +310,49 @@ def test_process_record_reads_compile_time_error_line_and_rss(tmp_path):
     assert killed["exit_code"] == -9 and killed["error"] == "killed by SIGKILL"
 
 
+def test_a_point_cut_short_by_a_killed_sweep_keeps_its_times(tmp_path, monkeypatch):
+    """A sweep SIGKILLed while a point trains records nothing on its way out: the
+    point's heartbeat has recorded its times so far, and the attempt that resumes it
+    adds its own to them."""
+    import signal
+    import subprocess
+    import time
+
+    from ocformer.sweeping import _run
+
+    def shim(name: str, body: str) -> str:  # stands in for `python -m ocformer.train`
+        path = tmp_path / name
+        path.write_text(
+            "#!/bin/sh\necho 'Finished XLA compilation of jit(step) in 1.5 sec' >&2\n" + body
+        )
+        path.chmod(0o755)
+        return str(path)
+
+    point = {"name": "p", "spec": "unused.py", "sets": [], "evaluations": []}
+    script = (
+        "import sys; from ocformer.sweeping import _run; _run.HEARTBEAT_S = 0.2; "
+        f"sys.executable = {shim('slow', 'sleep 60')!r}; "
+        f"_run.run_point({str(tmp_path)!r}, {point!r})"
+    )
+    sweep = subprocess.Popen([sys.executable, "-c", script])
+    status_file = tmp_path / "points" / "p" / _run.STATUS_FILE
+    deadline = time.monotonic() + 60
+    while (read_status(str(status_file.parent)).get("wall_time_s") or 0) < 1.0:
+        assert sweep.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    sweep.kill()
+    sweep.wait()
+    killed = read_status(str(status_file.parent))
+    os.kill(killed["process"], signal.SIGKILL)  # the training process, in its own group
+    assert killed["status"] == "running" and killed["compile_time_s"] == 1.5
+
+    monkeypatch.setattr(sys, "executable", shim("quick", "exit 0"))
+    status = _run.run_point(str(tmp_path), point)
+    assert status["status"] == "done" and status["attempts"] == 2
+    assert status["compile_time_s"] == 3.0
+    assert status["wall_time_s"] > killed["wall_time_s"] >= 1.0
+
+
 def _fake_point(sweep_dir, point, val_losses, accs, status="done"):
     folder = os.path.join(sweep_dir, "points", point["name"])
     os.makedirs(os.path.join(folder, "run"))

@@ -54,6 +54,10 @@ _stopping: dict[str, int | None] = {"signal": None}
 # Seconds a point's processes get to checkpoint and exit once the sweep stops, before
 # SIGKILL.
 STOP_GRACE_S = 60.0
+# Seconds between the records of a running point's times so far, so that a sweep
+# killed without warning (SIGKILL, a lost node) still counts the attempt it cut short.
+HEARTBEAT_S = 10.0
+_TIMES = ("wall_time_s", "compile_time_s", "cache_hits")  # summed over a point's attempts
 
 
 class SweepInterrupted(Exception):
@@ -168,15 +172,28 @@ def child_env(sweep_dir: str) -> dict:
     return env
 
 
+def _read_log(log_path: str, offset: int) -> tuple[list[str], float, int]:
+    """The lines ``log_path`` holds after ``offset`` (less the command line written
+    there), with the compilation seconds and persistent-cache hits they report."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        f.seek(offset)
+        lines = f.read().splitlines()[1:]
+    compile_s = sum(float(m.group(1)) for m in map(_COMPILE_LINE.match, lines) if m)
+    hits = sum(1 for line in lines if line.startswith("Persistent compilation cache hit"))
+    return lines, compile_s, hits
+
+
 def _run_logged(
     command: list[str],
     log_path: str,
     env: dict,
     on_start: Callable[[subprocess.Popen], None] | None = None,
+    heartbeat: Callable[[dict], None] | None = None,
 ) -> dict:
     """Run ``command`` with its output appended to ``log_path`` (``on_start`` is called
-    with the process once it runs). A process started after the sweep was told to stop
-    is stopped at once.
+    with the process once it runs; ``heartbeat``, every ``HEARTBEAT_S`` seconds while
+    it runs, with its ``wall_time_s``, ``compile_time_s`` and ``cache_hits`` so far). A
+    process started after the sweep was told to stop is stopped at once.
 
     Returns:
         ``exit_code`` (negative: killed by that signal), ``wall_time_s``,
@@ -184,6 +201,14 @@ def _run_logged(
         compilation log, and ``error`` (the last meaningful output line on failure).
     """
     started = time.perf_counter()
+    finished = threading.Event()
+
+    def beat(offset: int) -> None:
+        while not finished.wait(HEARTBEAT_S):
+            _, compile_s, hits = _read_log(log_path, offset)
+            wall = time.perf_counter() - started
+            heartbeat({"wall_time_s": wall, "compile_time_s": compile_s, "cache_hits": hits})
+
     with open(log_path, "ab") as log:
         offset = log.tell()
         log.write(("$ " + " ".join(command) + "\n").encode())
@@ -193,22 +218,24 @@ def _run_logged(
             _children.add(proc)
             if _stopping["signal"] is not None:
                 os.kill(proc.pid, signal.SIGTERM)
+        beats = threading.Thread(target=beat, args=(offset,), daemon=True)
         try:
             if on_start is not None:
                 on_start(proc)
+            if heartbeat is not None:
+                beats.start()
             # wait4 gives this child's own resource usage (peak RSS), unlike
             # getrusage(RUSAGE_CHILDREN), which is the maximum over all children.
             _, status, usage = os.wait4(proc.pid, 0)
             proc.returncode = os.waitstatus_to_exitcode(status)
         finally:
+            finished.set()
+            if beats.is_alive():
+                beats.join()
             with _children_lock:
                 _children.discard(proc)
     wall = time.perf_counter() - started
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        f.seek(offset)
-        lines = f.read().splitlines()[1:]
-    compile_s = sum(float(m.group(1)) for m in map(_COMPILE_LINE.match, lines) if m)
-    hits = sum(1 for line in lines if line.startswith("Persistent compilation cache hit"))
+    lines, compile_s, hits = _read_log(log_path, offset)
     out = {
         "exit_code": proc.returncode,
         "wall_time_s": wall,
@@ -261,14 +288,23 @@ def run_point(sweep_dir: str, point: dict) -> dict:
         for s in point["sets"]:
             command += ["--set", s]
 
-        def started(proc: subprocess.Popen) -> None:
-            _write_status(path, {**status, "process": proc.pid})
+        # Times accumulate over attempts (an interrupted point resumes, and one whose
+        # sweep was killed left the times of its last heartbeat); peak RSS is the
+        # largest of them.
+        def so_far(times: dict) -> dict:
+            return {k: v + (previous.get(k) or 0) for k, v in times.items()}
 
-        result = _run_logged(command, os.path.join(path, "train.log"), env, started)
-        # Times accumulate over attempts (an interrupted point resumes); peak RSS is
-        # the largest of them.
-        for key in ("wall_time_s", "compile_time_s", "cache_hits"):
-            result[key] += previous.get(key) or 0
+        running = dict(status)  # the record while the process runs
+
+        def started(proc: subprocess.Popen) -> None:
+            running["process"] = proc.pid
+            _write_status(path, running)
+
+        def beat(times: dict) -> None:
+            _write_status(path, {**running, **so_far(times)})
+
+        result = _run_logged(command, os.path.join(path, "train.log"), env, started, beat)
+        result.update(so_far({k: result[k] for k in _TIMES}))
         result["peak_rss_mb"] = max(result["peak_rss_mb"], previous.get("peak_rss_mb") or 0)
         status.update(result)
         code = result["exit_code"]
