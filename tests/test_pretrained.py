@@ -344,6 +344,15 @@ def test_unsupported_options(saved, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config | kind))
     with pytest.raises(ValueError, match="position_embedding_type='relative_key'"):
         from_pretrained(tmp_path)
+    # Every unsupported option is named at once, not one per attempt.
+    (tmp_path / "config.json").write_text(json.dumps(config | kind | {"is_decoder": True}))
+    with pytest.raises(ValueError) as e:
+        from_pretrained(tmp_path)
+    assert str(e.value) == (
+        "config.json: position_embedding_type='relative_key' (supported: ['absolute']); "
+        "is_decoder=True (supported: [False]) are not supported for bert; the continuous "
+        "model would not reproduce them."
+    )
 
 
 def test_missing_and_extra_tensors(saved, tmp_path):

@@ -25,9 +25,14 @@ from ._layers import from_layers, to_layers
 
 
 def _shapes(c: dict):
-    require(c, "position_embedding_type", ("absolute",), "absolute")
-    require(c, "is_decoder", (False,), False)
-    require(c, "add_cross_attention", (False,), False)
+    require(
+        c,
+        {
+            "position_embedding_type": (("absolute",), "absolute"),
+            "is_decoder": ((False,), False),
+            "add_cross_attention": ((False,), False),
+        },
+    )
     d, n_layer, ff = (
         read_int(c, "hidden_size"),
         read_int(c, "num_hidden_layers"),

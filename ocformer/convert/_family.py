@@ -9,6 +9,7 @@ disk in ``_directory``, matching and checking tensor names in ``_matching``.
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -72,13 +73,19 @@ def read_int(config: dict, key: str, default=None) -> int:
     return value
 
 
-def require(config: dict, key: str, allowed, default) -> None:
-    """Refuse an option value the continuous model would not reproduce."""
-    value = config.get(key, default)
-    if value not in allowed:
+def require(config: dict, options: dict[str, tuple[tuple, Any]]) -> None:
+    """Refuse the option values the continuous model would not reproduce, all of them
+    in one message. ``options``: each key's allowed values and its default."""
+    wrong = [
+        f"{key}={config.get(key, default)!r} (supported: {list(allowed)})"
+        for key, (allowed, default) in options.items()
+        if config.get(key, default) not in allowed
+    ]
+    if wrong:
         raise ValueError(
-            f"config.json: {key}={value!r} is not supported for {config['model_type']} "
-            f"(supported: {list(allowed)}); the continuous model would not reproduce it."
+            f"config.json: {'; '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not "
+            f"supported for {config['model_type']}; the continuous model would not "
+            f"reproduce {'it' if len(wrong) == 1 else 'them'}."
         )
 
 

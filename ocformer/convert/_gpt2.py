@@ -33,10 +33,15 @@ def _sizes(c: dict) -> tuple[int, int, int, int, int]:
 
 
 def _shapes(c: dict):
-    require(c, "scale_attn_weights", (True,), True)
-    require(c, "scale_attn_by_inverse_layer_idx", (False,), False)
-    require(c, "add_cross_attention", (False,), False)
-    require(c, "tie_word_embeddings", (True,), True)
+    require(
+        c,
+        {
+            "scale_attn_weights": ((True,), True),
+            "scale_attn_by_inverse_layer_idx": ((False,), False),
+            "add_cross_attention": ((False,), False),
+            "tie_word_embeddings": ((True,), True),
+        },
+    )
     d, n_layer, ff, vocab, positions = _sizes(c)
     read_heads(c, "n_head", d)
     read_activation(c, "activation_function")

@@ -93,7 +93,7 @@ def _build(c, t, heads):
             "reads the class token without the pooler, so one of them is stray."
         )
     if "pooler" in heads:
-        require(c, "pooler_act", ("tanh",), "tanh")
+        require(c, {"pooler_act": (("tanh",), "tanh")})
     qkv_bias = c.get("qkv_bias", True)
     layers = []
     for i in range(c["num_hidden_layers"]):
