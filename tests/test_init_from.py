@@ -147,6 +147,17 @@ def test_start_reproduces_the_checkpoint_loss(experiment, gpt2):
             ],
         ),
         (["model.init_from={gpt2}", "model.norm=post"], ["model.norm", "'post'", "'pre'"]),
+        # A heads count that the default width (32) would refuse is a conflict with the
+        # checkpoint's heads, not a question of dividing a width the run does not have.
+        (
+            ["model.init_from={gpt2}", "model.num_heads=3"],
+            ["model.num_heads is 3, the checkpoint's 2"],
+        ),
+        # The combinations are checked with the checkpoint's values once it is read.
+        (
+            ["model.init_from={gpt2}", "model.formulation=relaxed"],
+            ["model.formulation: formulation='relaxed' is a smooth limit of post-LN"],
+        ),
         (["model.init_from={gpt2}", "task.seq_len=32"], ["task.seq_len", "16 positions"]),
         (["model.init_from={gpt2}", "task.vocab_size=20"], ["task (copy)", "< 16"]),
     ],

@@ -210,9 +210,17 @@ def validate(config: Config) -> Config:
     return config
 
 
+def _from_start(c: Config) -> bool:
+    """Whether the checks that read architecture fields wait for the run's start: with
+    ``model.init_from`` the source model fixes those fields (a field left unset takes
+    its value, one set otherwise is a conflict, reported as such), so the combinations
+    are checked once the source is read, with its values (``ocformer.training``)."""
+    return c.model.init_from is not None
+
+
 def _check_combinations(c: Config) -> None:
     m = c.model
-    if m.width % m.num_heads:
+    if m.width % m.num_heads and not _from_start(c):
         raise ConfigError(
             "model.num_heads",
             f"num_heads={m.num_heads} must divide model.width={m.width}; choose a "
@@ -245,7 +253,7 @@ def _check_combinations(c: Config) -> None:
             "model.conv_kernel",
             f"{m.conv_kernel} has no centre cell: the kernel side must be odd (1, 3, 5, ...)",
         )
-    found = refusals(choices(c))
+    found = [] if _from_start(c) else refusals(choices(c))
     if found:
         raise ConfigError(found[0].field, found[0].message)
     _check_depth_objective(c)
@@ -255,7 +263,7 @@ def _check_combinations(c: Config) -> None:
     _check_ternary(c)
     o = c.objective
     if c.controls.kind == "basis":
-        if c.controls.basis_size > m.num_layers:
+        if c.controls.basis_size > m.num_layers and not _from_start(c):
             raise ConfigError(
                 "controls.basis_size",
                 f"basis_size={c.controls.basis_size} coefficient sets are fitted to the "
@@ -378,6 +386,8 @@ def _check_depth(c: Config) -> None:
             "but discretisation.depth_parallel is none; set discretisation.depth_parallel="
             "parareal, or mesh.depth=1",
         )
+    if _from_start(c):
+        return
     if layers % depth:
         raise ConfigError(
             "mesh.depth",

@@ -20,7 +20,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ..config import Config, ConfigError, is_set
+from ..config import Config, ConfigError, is_set, validate
+from ..config._explicit import with_field
 from ..convert import from_pretrained
 from ..convert._pretrained import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
 from ..models import (
@@ -189,6 +190,21 @@ def check_architecture(config: Config, source: Source, fixed: dict) -> None:
             f"architecture, and {len(conflicts)} set field(s) disagree with it: {listed}; "
             f"leave {names} unset or set them to the checkpoint's values",
         )
+    # The combinations the configuration was checked for without the source's values
+    # (a heads count against the default width), checked again with them.
+    validate(with_architecture(config, fixed))
+
+
+def with_architecture(config: Config, fixed: dict[tuple[str, str], Any]) -> Config:
+    """``config`` with the fields that a source model fixes (``architecture(model)``:
+    its width, depth, heads, hidden width, norm, activation, ...) set to its values: a
+    run that started from a checkpoint (``model.init_from``) takes them from it, and
+    its config.json holds only what was set."""
+    sections = {}
+    for (section, name), value in fixed.items():
+        part = sections.get(section, getattr(config, section))
+        sections[section] = with_field(part, name, value)
+    return dataclasses.replace(config, **sections)
 
 
 def check_task(config: Config, task, model: SequenceModel, source: Source) -> None:

@@ -1,12 +1,10 @@
 """A trained model back from its work directory."""
 
-import dataclasses
 import os
 
 from ..config import Config
-from ..config._explicit import with_field
 from ._build import restore_run
-from ._init_from import architecture
+from ._init_from import architecture, with_architecture
 
 
 def load_run(workdir: str | os.PathLike, step: int | None = None) -> tuple[Config, object]:
@@ -44,17 +42,5 @@ def load_run_at(workdir: str | os.PathLike, step: int | None = None) -> tuple[Co
     came from (read with them: a checkpoint committed meanwhile is not it)."""
     config, model, at_step, _ = restore_run(workdir, step)
     if config.model.init_from is not None:
-        config = with_architecture(config, model)
+        config = with_architecture(config, architecture(model))
     return config, model, at_step
-
-
-def with_architecture(config: Config, model) -> Config:
-    """``config`` with the fields that ``model`` fixes (its width, depth, heads, hidden
-    width, norm, activation, ...) set to the model's values: a run that started from a
-    checkpoint (``model.init_from``) takes them from it, and its config.json holds
-    only what was set."""
-    sections = {}
-    for (section, name), value in architecture(model).items():
-        part = sections.get(section, getattr(config, section))
-        sections[section] = with_field(part, name, value)
-    return dataclasses.replace(config, **sections)
