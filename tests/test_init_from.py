@@ -225,6 +225,21 @@ def test_explicit_matching_fields_are_accepted_and_unset_ones_come_from_the_chec
     assert arch[("model", "hidden")] == 32  # the checkpoint's 4 x 8
 
 
+def test_the_start_fixes_the_fields_whose_checks_wait_for_it(experiment, gpt2):
+    """The fields whose combination checks wait for the source (``START_FIELDS``) are
+    the ones it fixes; filled in with the source's values, the configuration is checked
+    at once, so an evaluation override the rules refuse is refused."""
+    from ocformer.config._validate import START_FIELDS
+    from ocformer.evaluation import evaluation_config
+
+    c = config(experiment, f"model.init_from={gpt2[0]}")
+    fixed = architecture(build(c).model)
+    assert {f"{s}.{n}" for s, n in fixed} == set(START_FIELDS)
+    filled = _init_from.with_architecture(c, fixed)
+    with pytest.raises(ConfigError, match="the adjoint splitting"):
+        evaluation_config(filled, ["discretisation.gradient=optimise_then_discretise"])
+
+
 def _train(experiment, workdir, *sets) -> None:
     argv = ["--config", experiment, "--workdir", str(workdir)]
     code = train_cli.main([*argv, *(a for s in [*QUIET, *sets] for a in ("--set", s))])

@@ -20,6 +20,7 @@ from ..dynamics import SubSolver
 from ..models import Choices, describe_stepper, refusals
 from ..objective import msa_refusals, ternary_refusals
 from ..splitting import SCHEMES, SOLVERS
+from ._explicit import is_set
 from ._schema import SECTIONS, Config
 
 
@@ -210,12 +211,31 @@ def validate(config: Config) -> Config:
     return config
 
 
+# The fields a start (``model.init_from``) fixes: the source model's architecture
+# (``ocformer.training``'s ``architecture`` gives their values).
+START_FIELDS = (
+    "model.num_layers",
+    "model.width",
+    "model.num_heads",
+    "model.hidden",
+    "model.norm",
+    "model.activation",
+    "model.ln_eps",
+    "model.final_norm",
+    "model.attention",
+    "controls.kind",
+    "controls.norm_affine",
+)
+
+
 def _from_start(c: Config) -> bool:
     """Whether the checks that read architecture fields wait for the run's start: with
-    ``model.init_from`` the source model fixes those fields (a field left unset takes
-    its value, one set otherwise is a conflict, reported as such), so the combinations
-    are checked once the source is read, with its values (``ocformer.training``)."""
-    return c.model.init_from is not None
+    ``model.init_from`` the source model fixes those fields (one left unset takes its
+    value, one set otherwise is a conflict, reported as such), so the combinations are
+    checked once the source is read, with its values filled in (``ocformer.training``)."""
+    if c.model.init_from is None:
+        return False
+    return not all(is_set(getattr(c, f.split(".")[0]), f.split(".")[1]) for f in START_FIELDS)
 
 
 def _check_combinations(c: Config) -> None:
