@@ -81,6 +81,14 @@ class MixedPrecision(eqx.Module):
     time grid and the controls' layer index, ``ocformer.integration.time_dtype``). The
     loss and the metrics are returned in float32 or wider.
 
+    The transformer's controls are the exception to the cast at the start: they stay
+    the masters, and the solve casts them to the dtype of its input (``compute``), so
+    the solve runs exactly as above while the running costs on the controls
+    (``control_smoothness``, ``control_size``) are evaluated on the masters. A
+    smoothness cost is made of the differences of neighbouring layers: rounded to
+    bfloat16 first, layers closer than bfloat16's resolution would give a wrong cost
+    and a wrong gradient of it.
+
     Args:
         objective: the ``Objective`` (or any ``(model, batch) -> (loss, metrics)``).
         compute: ``"float32"``, ``"bfloat16"`` or ``"float64"``.
@@ -96,7 +104,13 @@ class MixedPrecision(eqx.Module):
             )
 
     def __call__(self, model, batch: dict) -> tuple[Float[Array, ""], dict]:
-        loss, metrics = self.objective(in_precision(model, self.compute), batch)
+        computed = in_precision(model, self.compute)
+        if isinstance(model, SequenceModel):
+            # The solve casts the controls itself (``ContinuousTransformer.solve``).
+            computed = eqx.tree_at(
+                lambda m: m.transformer.control, computed, model.transformer.control
+            )
+        loss, metrics = self.objective(computed, batch)
 
         def wide(x):
             return x.astype(wide_dtype(x.dtype))
