@@ -170,3 +170,29 @@ def test_a_depth_parallel_run_is_evaluated_as_trained_and_serially(tmp_path, cap
     assert evaluate_cli.main(argv) == 0
     result = json.loads(serial.read_text())
     assert result["solver_steps"] == 2 and result["val_loss"] != pytest.approx(trained, rel=1e-9)
+
+
+def test_an_fcf_run_with_a_parallel_costate_is_evaluated_under_the_serial_solve():
+    """``--set discretisation.depth_parallel=none`` on an MGRIT run with FCF-relaxation
+    and the parallel costate: the relaxation and the costate belong to the solve the
+    override replaced (and the costate to training), so they give way to their
+    defaults; set by the evaluation itself, the refusal stands."""
+    from ocformer.evaluation import evaluation_config
+
+    trained = resolve(
+        SMOKE,
+        ["discretisation.depth_parallel=mgrit", "discretisation.relaxation=FCF",
+         "discretisation.depth_costate=parallel"],
+    )  # fmt: skip
+    serial = evaluation_config(trained, ["discretisation.depth_parallel=none"])
+    d = serial.discretisation
+    assert (d.depth_parallel, d.relaxation, d.depth_costate) == (None, "F", "reverse")
+    parareal = evaluation_config(trained, ["discretisation.depth_parallel=parareal"])
+    assert parareal.discretisation.relaxation == "F"
+    assert parareal.discretisation.depth_costate == "parallel"  # parareal takes it
+    as_trained = evaluation_config(trained, [])
+    assert as_trained.discretisation == trained.discretisation
+    with pytest.raises(ConfigError, match="relaxation='FCF' is a relaxation of two-level"):
+        evaluation_config(
+            trained, ["discretisation.depth_parallel=none", "discretisation.relaxation=FCF"]
+        )

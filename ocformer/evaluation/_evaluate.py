@@ -42,6 +42,15 @@ from ..training import (
 )
 
 GRADIENT_FIELD = "discretisation.gradient"
+# Discretisation fields that an evaluation resets to their defaults when the changed
+# discretisation refuses them and the overrides do not set them: the gradient method
+# and the depth-parallel costate act on training only (evaluation takes no gradient),
+# and MGRIT's relaxation belongs to the solve an override of depth_parallel replaced.
+FOLLOWING_FIELDS: tuple[str, ...] = (
+    GRADIENT_FIELD,
+    "discretisation.depth_costate",
+    "discretisation.relaxation",
+)
 # The config section that describes how the equation is discretised (nothing else may
 # change between training and evaluation).
 DISCRETISATION_SECTIONS: tuple[str, ...] = ("discretisation",)
@@ -69,25 +78,30 @@ def check_discretisation_field(key: str) -> None:
 
 def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     """The validated configuration that evaluates a run of ``config`` under its
-    discretisation changed by ``overrides``. The gradient method acts on training only:
-    a trained one that the new discretisation does not take (optimise-then-discretise
-    under a splitting scheme) gives way to the default, unless ``overrides`` set it.
+    discretisation changed by ``overrides``. The fields that act on training only, or
+    only on a solve the overrides replace, give way to their defaults when the new
+    discretisation does not take them, unless ``overrides`` set them:
+    ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise under a splitting scheme,
+    an MGRIT FCF-relaxation or a parallel costate under the serial solve).
 
     Raises:
         ConfigError: an invalid override or combination.
     """
     changed = apply_overrides(config, list(overrides))
-    try:
-        return validate(changed)
-    except ConfigError as e:
-        if e.field != GRADIENT_FIELD or any(o.split("=")[0].strip() == e.field for o in overrides):
-            raise
-    default = DiscretisationConfig().gradient
-    return validate(
-        dataclasses.replace(
-            changed, discretisation=dataclasses.replace(changed.discretisation, gradient=default)
-        )
-    )
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    while True:
+        try:
+            return validate(changed)
+        except ConfigError as e:
+            if e.field not in FOLLOWING_FIELDS or e.field in given:
+                raise
+            given.add(e.field)  # reset once: a refusal after it is the override's
+            name = e.field.split(".", 1)[1]
+            default = getattr(DiscretisationConfig(), name)
+            changed = dataclasses.replace(
+                changed,
+                discretisation=dataclasses.replace(changed.discretisation, **{name: default}),
+            )
 
 
 def discretisation_of(config: Config) -> dict:
@@ -232,8 +246,9 @@ def evaluate(config: Config, model, task=None) -> dict:
 def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None = None) -> dict:
     """Evaluate the trained run in ``workdir`` under its discretisation changed by
     ``overrides`` (``"section.field=value"``, discretisation fields only). A trained
-    gradient method that the new discretisation does not take is replaced by the
-    default (evaluation computes no gradient), unless ``overrides`` set it.
+    gradient method, depth-parallel costate or MGRIT relaxation that the new
+    discretisation does not take is replaced by its default (``evaluation_config``),
+    unless ``overrides`` set it.
 
     Returns:
         ``evaluate``'s metrics plus ``workdir``, ``step`` (of the checkpoint),
