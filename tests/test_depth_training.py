@@ -196,3 +196,18 @@ def test_an_fcf_run_with_a_parallel_costate_is_evaluated_under_the_serial_solve(
         evaluation_config(
             trained, ["discretisation.depth_parallel=none", "discretisation.relaxation=FCF"]
         )
+
+
+def test_the_bias_checks_of_a_run_do_not_stop_its_serial_evaluation_config():
+    """``evaluation_config`` (a sweep's evaluation axis calls it directly) idles the
+    bias checks and fallback, which act on training: a run with them is evaluated
+    under ``depth_parallel=none``."""
+    from ocformer.evaluation import evaluation_config
+
+    trained = resolve(
+        SMOKE,
+        [*PARAREAL, "train.depth_bias_every=2", "train.depth_fallback=serial",
+         "train.depth_fallback_cosine=0.9"],
+    )  # fmt: skip
+    serial = evaluation_config(trained, ["discretisation.depth_parallel=none"])
+    assert serial.discretisation.depth_parallel is None

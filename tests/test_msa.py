@@ -267,3 +267,24 @@ def test_a_depth_parallel_model_is_refused():
     method = MSA(optax.sgd(0.1), inner_steps=1, rho=1.0)
     with pytest.raises(IncompatibleError, match="depth_parallel='parareal'"):
         msa_iteration(method, Objective(), Constraints(), model, method.init(), small_batch())
+
+
+def test_an_msa_run_is_evaluated_under_pid_steps_and_a_depth_parallel_solve():
+    """MSA's refusals (a fixed grid, the serial sweep) are rules of its training: an
+    evaluation, which takes no training step, is not held to them, and the
+    refusals of the discretisation itself still stand."""
+    import os
+
+    from ocformer.config import ConfigError, resolve
+    from ocformer.evaluation import evaluation_config
+
+    smoke = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", "smoke.py")
+    trained = resolve(smoke, ["train.method=msa"])
+    pid = evaluation_config(
+        trained, ["discretisation.stepper=tsit5", "discretisation.stepsize=pid"]
+    ).discretisation
+    assert (pid.stepper, pid.stepsize) == ("tsit5", "pid")
+    par = evaluation_config(trained, ["discretisation.depth_parallel=parareal"])
+    assert par.discretisation.depth_parallel == "parareal"
+    with pytest.raises(ConfigError, match="discretisation.stepsize: an adaptive"):
+        evaluation_config(trained, ["discretisation.stepsize=pid"])  # lie: no estimate

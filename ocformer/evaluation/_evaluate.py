@@ -82,12 +82,22 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     only on a solve the overrides replace, give way to their defaults when the new
     discretisation does not take them, unless ``overrides`` set them:
     ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise under a splitting scheme,
-    an MGRIT FCF-relaxation or a parallel costate under the serial solve).
+    an MGRIT FCF-relaxation or a parallel costate under the serial solve). The training
+    fields are those of gradient training without depth-parallel checks: how the run
+    was trained does not restrict how it is evaluated.
 
     Raises:
         ConfigError: an invalid override or combination.
     """
-    changed = apply_overrides(config, list(overrides))
+    # How the run was trained acts on its training only: the bias checks and fallback of
+    # a depth-parallel run, and MSA's rules (a fixed grid, a serial solve), which would
+    # refuse an evaluation under PID steps or a depth-parallel solve. Evaluation takes
+    # no training step, so it judges the discretisation as gradient training would.
+    idle = dataclasses.replace(
+        config.train, method="gradient", depth_bias_every=0, depth_fallback="none",
+        depth_fallback_cosine=None, depth_fallback_patience=0,
+    )  # fmt: skip
+    changed = apply_overrides(dataclasses.replace(config, train=idle), list(overrides))
     given = {o.split("=", 1)[0].strip() for o in overrides}
     while True:
         try:
@@ -265,13 +275,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
         check_discretisation_field(text.split("=", 1)[0].strip())
     enable_x64_for_run(workdir)  # before its model is built, as in ocformer.train
     config, trained, at_step = load_run_at(workdir, step)
-    # The bias checks and fallback of a depth-parallel run act on its training only, so
-    # they do not stop an evaluation under the serial solve.
-    idle = dataclasses.replace(
-        config.train, depth_bias_every=0, depth_fallback="none", depth_fallback_cosine=None,
-        depth_fallback_patience=0,
-    )  # fmt: skip
-    new_config = evaluation_config(dataclasses.replace(config, train=idle), overrides)
+    new_config = evaluation_config(config, overrides)
     # A replace of the discretisation value: the trained arrays are untouched, and the
     # grid-dependent parts are derived from the new value at the next solve.
     model = rediscretise(trained, build_discretisation(new_config))
