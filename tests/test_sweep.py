@@ -90,6 +90,35 @@ def test_points_resolve_as_the_train_command_line():
     assert points[0].name != points[1].name
 
 
+def test_an_msa_point_evaluated_under_its_own_and_other_discretisations(tmp_path):
+    """An evaluation axis of a train.method=msa point: PID steps and a depth-parallel
+    solve, which MSA's training rules refuse, are evaluations it takes; the trained
+    discretisation is the point's own row, not an evaluation."""
+    path = write_sweep(
+        tmp_path,
+        "msa",
+        """
+        def get_sweep(arg=None):
+            return Sweep(
+                experiment=EXPERIMENT,
+                axes=[axis("train.method", ["msa"])],
+                evaluate=[
+                    zipped(
+                        "solve",
+                        {"discretisation.stepper": ["lie", "tsit5", "lie"],
+                         "discretisation.stepsize": ["constant", "pid", "constant"],
+                         "discretisation.depth_parallel": [None, None, "parareal"]},
+                        labels=["trained", "pid", "parareal"],
+                    )
+                ],
+            )
+        """,
+    )
+    sweep, path, _ = load_sweep(path)
+    _, [point] = resolve_points(sweep, path)
+    assert [e.labels["solve"] for e in point.evaluations] == ["pid", "parareal"]
+
+
 def test_product_zip_seeds_and_only(tmp_path):
     path = write_sweep(
         tmp_path,

@@ -246,7 +246,10 @@ def resolve_points(
                     raise SweepError(
                         f"{sweep_path}: point {slug}, evaluation {e_slug}", str(e)
                     ) from None
-                e_dict = to_dict(e_config)
+                # Only the discretisation differs: the training fields evaluation_config
+                # idles are the point's own, so the trained discretisation is recognised
+                # and an evaluation's name does not depend on how the run was trained.
+                e_dict = to_dict(dataclasses.replace(e_config, train=config.train))
                 if e_dict == config_dict:
                     continue  # the trained discretisation itself: the point's own row
                 evals.append(
