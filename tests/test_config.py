@@ -183,6 +183,11 @@ BAD_CONFIGS = [
     (["model.init_from="], "model.init_from", "is empty (it would name the current directory)"),
     (["train.progress=maybe"], "train.progress", "expected a bool (true/false; also 1/0"),
     (["model.norm=middle"], "model.norm", "allowed: 'pre', 'post'"),
+    (
+        ["discretisation.depth_parallel=foo"],
+        "discretisation.depth_parallel",
+        "allowed: none (None), 'parareal', 'mgrit'",
+    ),
     (["optimiser.name=lion"], "optimiser.name", "'adamw'"),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite", "'abort', 'skip'"),
     (

@@ -123,7 +123,10 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
         near = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise ConfigError(
-            path, f"got {value!r}; {hint}allowed: {', '.join(repr(c) for c in choices)}"
+            path,
+            f"got {value!r}; {hint}allowed: "
+            # None as --set spells it (and a config file writes it).
+            + ", ".join("none (None)" if c is None else repr(c) for c in choices),
         )
     if (
         meta.get("le") is None
