@@ -203,7 +203,7 @@ def _run_logged(
     started = time.perf_counter()
     finished = threading.Event()
 
-    def beat(offset: int) -> None:
+    def beat(offset: int, heartbeat: Callable[[dict], None]) -> None:
         while not finished.wait(HEARTBEAT_S):
             _, compile_s, hits = _read_log(log_path, offset)
             wall = time.perf_counter() - started
@@ -218,7 +218,7 @@ def _run_logged(
             _children.add(proc)
             if _stopping["signal"] is not None:
                 os.kill(proc.pid, signal.SIGTERM)
-        beats = threading.Thread(target=beat, args=(offset,), daemon=True)
+        beats = threading.Thread(target=beat, args=(offset, heartbeat), daemon=True)
         try:
             if on_start is not None:
                 on_start(proc)
