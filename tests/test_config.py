@@ -135,7 +135,8 @@ def test_the_schemas_choices_are_the_registrys_names(path):
     with pytest.raises(ConfigError) as e:
         validate(bad)
     assert e.value.field == path
-    assert str(e.value).endswith("allowed: " + ", ".join(repr(c) for c in registry))
+    names = ("none (None)" if c is None else repr(c) for c in registry)
+    assert str(e.value).endswith("allowed: " + ", ".join(names))
     row = next(r for r in reference_table().splitlines() if r.startswith(f"| `{path}` "))
     allowed = " / ".join("None" if c is None else repr(c) for c in registry)
     assert f"| {allowed} |" in row
