@@ -2,13 +2,19 @@
 
 In-process: ``monkeypatch.setattr(ocformer.training._loop, "make_train_step",
 nan_at_update(3))``. In a subprocess: ``python tests/_faults.py --nan-at 3 -- <arguments
-of python -m ocformer.train>`` patches the same way and runs the command line.
+of python -m ocformer.train>`` patches the same way and runs the command line, and
+``python tests/_faults.py --kill-at 3 --process 1 --after PATH -- <arguments>`` has
+process 1 of a run of several SIGKILL itself at its third update, once PATH exists
+(``kill_at_update``).
 ``flip_bytes`` damages a committed checkpoint's array data on disk.
 """
 
+import argparse
 import itertools
 import os
+import signal
 import sys
+import time
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -48,6 +54,30 @@ def nan_at_update(n: int):
         return step
 
     return make_train_step
+
+
+def kill_at_update(n: int, process: int, after: str, wait_s: float = 600.0) -> None:
+    """Have process ``process`` of a run of several (``OCFORMER_PROCESS_ID``) SIGKILL
+    itself when its loop is about to dispatch update ``n`` (1-based, counted from the
+    first update this process runs), once the file ``after`` exists (a checkpoint's
+    commit marker, waited for up to ``wait_s`` seconds): the other processes are then
+    in, or entering, that update's collective, whatever the machine's load. Patches the
+    training loop's dispatch (the compiled step on a mesh is one program, so the step
+    builder cannot be patched per call)."""
+    if os.environ.get("OCFORMER_PROCESS_ID") != str(process):
+        return
+    update = _loop._Loop._update
+    calls = itertools.count(1)
+
+    def dispatch(self, batch):
+        if next(calls) == n:
+            deadline = time.monotonic() + wait_s
+            while not os.path.exists(after) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return update(self, batch)
+
+    _loop._Loop._update = dispatch
 
 
 def flip_bytes(step_dir, count: int = 64) -> str:
@@ -91,12 +121,23 @@ def flip_bytes(step_dir, count: int = 64) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[0] != "--nan-at" or argv[2] != "--":
-        raise SystemExit("usage: python tests/_faults.py --nan-at N -- <ocformer.train arguments>")
+    if "--" not in argv:
+        raise SystemExit("usage: python tests/_faults.py FAULT -- <ocformer.train arguments>")
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="tests/_faults.py")
+    fault = p.add_mutually_exclusive_group(required=True)
+    fault.add_argument("--nan-at", type=int, metavar="N", help="a NaN loss at update N")
+    fault.add_argument("--kill-at", type=int, metavar="N", help="SIGKILL at update N")
+    p.add_argument("--process", type=int, default=0, help="the process --kill-at kills")
+    p.add_argument("--after", default="", help="the file --kill-at waits for")
+    args = p.parse_args(argv[:cut])
     from ocformer import train as cli
 
-    _loop.make_train_step = nan_at_update(int(argv[1]))
-    return int(cli.main(argv[3:]))
+    if args.nan_at is not None:
+        _loop.make_train_step = nan_at_update(args.nan_at)
+    else:
+        kill_at_update(args.kill_at, args.process, args.after)
+    return int(cli.main(argv[cut + 1 :]))
 
 
 if __name__ == "__main__":

@@ -512,10 +512,29 @@ def _one_process(env, workdir, *overrides):
     )  # fmt: skip
 
 
-def _launch(env, workdir, *overrides, grace=5):
+# ``python -m ocformer.launch`` whose processes run ``tests/_faults.py FAULT -- ARGS``
+# in place of ``python -m ocformer.train ARGS``.
+_FAULTY_LAUNCH = """
+import sys
+from ocformer import launch
+from ocformer.distributed import _launcher
+fault, argv = sys.argv[1].split(), sys.argv[2:]
+_launcher.train_command = lambda args: [sys.executable, {faults!r}, *fault, "--", *args]
+sys.exit(launch.main(argv))
+"""
+
+
+def _launch(env, workdir, *overrides, grace=5, fault=None):
+    """``ocformer.launch local`` of two processes; with ``fault`` (the options of
+    ``tests/_faults.py``), each runs under that fault."""
+    if fault is None:
+        launch = [sys.executable, "-m", "ocformer.launch"]
+    else:
+        faults = os.path.join(ROOT, "tests", "_faults.py")
+        launch = [sys.executable, "-c", _FAULTY_LAUNCH.format(faults=faults), " ".join(fault)]
     return subprocess.Popen(
-        [sys.executable, "-m", "ocformer.launch", "local", "--nproc", "2", "--grace",
-         str(grace), "--", *_train_command(workdir, *overrides)],
+        [*launch, "local", "--nproc", "2", "--grace", str(grace), "--",
+         *_train_command(workdir, *overrides)],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -558,31 +577,22 @@ def test_two_processes_equal_one_and_survive_a_killed_process(env, tmp_path):
     want = _losses(one)
     assert sorted(want) == list(range(1, STEPS + 1))
 
-    # Two processes; process 1 is killed once the checkpoint of step 2 is committed.
-    # Process 0 needs the time to reach its failing collective and report it: on a
-    # loaded machine more than 5 s, after which the launcher's SIGKILL silences it.
+    # Two processes; process 1 SIGKILLs itself at its third update, once the checkpoint
+    # of step 2 is committed, so that process 0 is in that update's collective however
+    # loaded the machine is (a kill from here could land after the run's last step,
+    # where process 0 has no collective left to fail). Process 0 needs the time to
+    # reach its failing collective and report it: on a loaded machine more than 5 s,
+    # after which the launcher's SIGKILL would silence it.
     two = tmp_path / "two"
-    launcher = _launch(env, two, grace=30)
     marker = two / "checkpoints" / "step_2" / MARKER
+    fault = ["--kill-at", "3", "--process", "1", "--after", str(marker)]
+    launcher = _launch(env, two, grace=30, fault=fault)
     deadline = time.monotonic() + 1200
     while not marker.exists() and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    if launcher.poll() is not None:
-        out, err = launcher.communicate()
-        pytest.fail(f"the run ended before the kill:\n{out[-3000:]}\n{err[-5000:]}")
-    err_lines = []
-    pids = None
-    # The launcher names the pids of its processes on its first line.
-    while pids is None:
-        line = launcher.stderr.readline()
-        err_lines.append(line)
-        if m := re.search(r"pids \[(\d+), (\d+)\]", line):
-            pids = int(m.group(1)), int(m.group(2))
-    os.kill(pids[1], signal.SIGKILL)
-    killed = time.monotonic()
-    out, err = launcher.communicate(timeout=120)
+    killed = time.monotonic()  # within 0.05 s of process 1's kill
+    out, err = launcher.communicate(timeout=1200)
     stopped_after = time.monotonic() - killed
-    err = "".join(err_lines) + err
     assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "process 1 (pid" in err and "was killed by SIGKILL" in err
     # Process 0's collective fails: one line naming the resume point, no traceback.
@@ -760,6 +770,30 @@ def test_the_launcher_stops_only_processes_still_running(capsys):
         "process 1 exited with code 3" in err
     ), err
     assert "stopping" not in err
+
+
+def test_the_launcher_says_how_the_processes_it_stopped_ended(capsys):
+    """After one process fails, the launcher says how each process it stopped ended:
+    by SIGTERM, or killed after the grace period when it did not end."""
+    from ocformer.distributed._launcher import _Stop, _supervise
+
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"]),
+        subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE),
+        subprocess.Popen(["sleep", "60"]),
+    ]
+    procs[0].wait()
+    assert procs[1].stdout is not None and procs[1].stdout.readline()  # SIGTERM ignored
+    started = time.monotonic()
+    assert _supervise(procs, 1.0, _Stop(procs)) == 2
+    assert time.monotonic() - started < 30
+    procs[1].stdout.close()
+    err = capsys.readouterr().err
+    assert (
+        "stopped: process 1 was killed by SIGKILL (no end within 1s of SIGTERM), "
+        "process 2 was killed by SIGTERM" in err
+    ), err
 
 
 def test_the_launcher_names_the_process_that_ended_before_the_one_that_lost_it(capsys):

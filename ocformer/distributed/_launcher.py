@@ -246,9 +246,16 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, stop: "_Stop") -> 
                     + ", ".join(f"process {j} {_describe(e)}" for j, e in ended)
                 )
                 _say(f"process {i} (pid {procs[i].pid}) {_describe(c)}; {then}")
-            stop_processes(procs, grace_s)
+            running = [j for j, e in enumerate(codes) if e is None]
+            killed = stop_processes(procs, grace_s)
             for p in procs:
                 p.wait()  # ended; collect the exit codes
+            if stop.signum is None and running:
+                _say("stopped: " + ", ".join(
+                    f"process {j} {_describe(procs[j].returncode)}"
+                    + (f" (no end within {grace_s:.0f}s of SIGTERM)" if procs[j] in killed else "")
+                    for j in running
+                ))  # fmt: skip
             if c in (143, -signal.SIGTERM) and all(p.returncode in (143, -15) for p in procs):
                 return 143  # preempted together: every process checkpointed
             return c if c > 0 else 128 - c
