@@ -349,3 +349,86 @@ def test_otd_of_a_float32_model_walks_a_float32_grid_back_under_x64():
     }
     grad64 = value_and_grad(OBJECTIVE, model, BATCH)
     assert relative_gap(jax.tree.map(lambda x: x.astype(jnp.float64), grad32), grad64) < 1e-5
+
+
+def _pid(gradient, tol=1e-8, jump_ts=False):
+    """The pre-LN ReLU model of ``build`` under PID steps (Tsit5; by default crossing
+    the layer jumps, so that a constant grid of the accepted times repeats the solve
+    step for step)."""
+    disc = Discretisation(diffrax.Tsit5(), steps_per_layer=2, stepsize="pid", rtol=tol,
+                          atol=tol, jump_ts=jump_ts, gradient=gradient)  # fmt: skip
+    return eqx.tree_at(lambda m: m.transformer.discretisation, build("pre"), disc)
+
+
+class _GridSolves:
+    """``diffrax.diffeqsolve`` for the test below: with ``grid`` None, the solve as
+    asked, its accepted times appended to ``times`` (traced with the program that
+    solves); with a ``grid``, the same solve on that constant grid (``diffrax.StepTo``)."""
+
+    def __init__(self):
+        self.plain = diffrax.diffeqsolve
+        self.grid = None
+        self.times = []
+
+    def __call__(self, terms, solver, **kw):
+        if self.grid is not None:
+            kw.update(stepsize_controller=diffrax.StepTo(ts=self.grid), dt0=None,
+                      max_steps=len(self.grid) - 1, adjoint=diffrax.DirectAdjoint())  # fmt: skip
+            return self.plain(terms, solver, **kw)
+        sol = self.plain(terms, solver, **dict(kw, saveat=diffrax.SaveAt(steps=True)))
+        self.times.append(sol.ts)
+        n = sol.stats["num_accepted_steps"]  # the model reads u(T), the last saved state
+        last = jax.tree.map(lambda y: jax.lax.dynamic_index_in_dim(y, n - 1), sol.ys)
+        return eqx.tree_at(lambda s: s.ys, sol, last)
+
+    def on_grid(self, loss, params, direction, times, jumps=()):
+        """``loss`` and its forward-mode derivative along ``direction`` on the constant
+        grid of the accepted ``times``. A solve that steps onto the control's ``jumps``
+        ends a step at the float before a jump and starts the next one at the float
+        after it (diffrax records the step there): the grid crosses each jump by a
+        step of two ulps, whose last stage reads the new layer, as the solve's next
+        first stage does."""
+        times = np.asarray(times)
+        times = np.concatenate([[0.0], times[np.isfinite(times)]])
+        for jump in jumps:
+            times = np.union1d(times, [np.nextafter(jump, -np.inf), np.nextafter(jump, np.inf)])
+        self.grid = jnp.asarray(times)
+        try:
+            value, tangent = jax.jvp(lambda p: loss(p)[0], (params,), (direction,))
+        finally:
+            self.grid = None
+        return float(value), float(tangent)
+
+
+@pytest.mark.parametrize("jump_ts", [True, False])
+def test_under_pid_steps_each_gradient_is_exact_on_the_grid_its_program_chose(monkeypatch, jump_ts):
+    """Under PID steps the step-size controller's choices carry no derivative (diffrax
+    stops their gradients), so a gradient is that of the loss on a fixed grid; the
+    reference is ``diffrax.StepTo`` on the accepted times, differentiated in forward
+    mode. Discretise-then-optimise gives that of the forward solve's grid, forward mode
+    (``jax.jvp`` through ``direct``) that of the grid its own program chose, each to
+    1e-12, stepping onto the layer jumps or across them. At rtol 1e-8 the error
+    estimate is a difference of stage values some 1e8 times its size, so two programs'
+    roundings can choose different grids (91 and 94 accepted steps with the jumps, on
+    CPU), and on a ReLU network the discrete derivative moves with the grid
+    (docs/training_math.md)."""
+    solves = _GridSolves()
+    monkeypatch.setattr(diffrax, "diffeqsolve", solves)
+    objective = Objective()
+    for method in (DiscretiseThenOptimise(), Direct()):
+        model = _pid(method, jump_ts=jump_ts)
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        direction = random_direction(model)
+
+        def loss(p, static=static):
+            return objective(eqx.combine(p, static), BATCH)[0], solves.times[-1]
+
+        if isinstance(method, DiscretiseThenOptimise):
+            (value, times), grad = jax.value_and_grad(loss, has_aux=True)(params)
+            derivative = dot(grad, direction)
+        else:
+            value, derivative, times = jax.jvp(loss, (params,), (direction,), has_aux=True)
+        jumps = model.transformer.control.jump_ts if jump_ts else ()
+        ref_value, ref_derivative = solves.on_grid(loss, params, direction, times, jumps)
+        assert ref_value == pytest.approx(float(value), rel=1e-14, abs=0)  # the same steps
+        assert float(derivative) == pytest.approx(ref_derivative, rel=1e-12, abs=0), method
