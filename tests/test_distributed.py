@@ -777,7 +777,10 @@ def test_the_launcher_says_how_the_processes_it_stopped_ended(capsys):
     by SIGTERM, or killed after the grace period when it did not end."""
     from ocformer.distributed._launcher import _Stop, _supervise
 
-    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"  # fmt: skip
+    deaf = (  # ignores SIGTERM, then says so
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print(1, flush=True); time.sleep(60)"
+    )
     procs = [
         subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"]),
         subprocess.Popen([sys.executable, "-c", deaf], stdout=subprocess.PIPE),
