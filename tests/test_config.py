@@ -96,7 +96,7 @@ def _registries() -> dict:
     from ocformer.controls import CONTROL_KINDS, NORM_AFFINES
     from ocformer.dynamics import SUB_SOLVERS
     from ocformer.integration import GRADIENT_METHODS, STEPSIZES
-    from ocformer.models import FORMULATIONS, NORM_POSITIONS
+    from ocformer.models import FORMULATIONS, NORM_POSITIONS, WEIGHT_DECAY_ON
     from ocformer.objective import KERNEL_NORMS, PRECISIONS
     from ocformer.operators import ACTIVATIONS, ATTENTION_KERNELS
     from ocformer.splitting import SCHEMES, SOLVERS
@@ -115,6 +115,7 @@ def _registries() -> dict:
         "discretisation.stepsize": STEPSIZES,
         "discretisation.gradient": tuple(GRADIENT_METHODS),
         "objective.kernel_norm": (None, *KERNEL_NORMS),
+        "optimiser.weight_decay_on": WEIGHT_DECAY_ON,
         "task.name": tuple(TASKS),
         "task.fallback": (None, *FALLBACKS),
     }
@@ -190,6 +191,16 @@ BAD_CONFIGS = [
         "allowed: none (None), 'parareal', 'mgrit'",
     ),
     (["optimiser.name=lion"], "optimiser.name", "'adamw'"),
+    (
+        ["optimiser.weight_decay_on=biases"],
+        "optimiser.weight_decay_on",
+        "got 'biases'; allowed: 'all', 'matrices'",
+    ),
+    (
+        ["optimiser.name=sgd", "optimiser.weight_decay_on=matrices"],
+        "optimiser.weight_decay_on",
+        "optimiser.name=sgd applies no weight decay; set optimiser.name=adamw",
+    ),
     (["train.on_nonfinite=ignore"], "train.on_nonfinite", "'abort', 'skip'"),
     (
         [

@@ -452,6 +452,49 @@ def test_bad_depth_settings_exit_2_naming_the_field(overrides, field, words, tmp
     assert not (tmp_path / "run").exists()
 
 
+# A field that only a depth-parallel solve reads, set without one: its value, and how
+# the refusal names the value received.
+DEPTH_ONLY = [
+    ("discretisation.chunks", 2, "chunks=2"),
+    ("discretisation.iterations", 3, "iterations=3"),
+    ("discretisation.coarse_stepper", "euler", "coarse_stepper='euler'"),
+    ("discretisation.coarse_steps", 2, "coarse_steps=2"),
+]
+
+
+@pytest.mark.parametrize("field, value, received", DEPTH_ONLY, ids=[d[2] for d in DEPTH_ONLY])
+def test_a_depth_parallel_field_without_depth_parallel_exits_2_naming_it_and_the_fix(
+    field, value, received, tmp_path, capsys
+):
+    """The serial solve would ignore it, and the run would silently be another
+    experiment than the one asked for: refused, naming the field, the value and the fix;
+    the same field with a depth-parallel solve is taken."""
+    override = f"{field}={value}"
+    argv = ["--config", SMOKE, "--workdir", str(tmp_path / "run"), "--set", override]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{field}: {received} " in err and "but depth_parallel is none" in err
+    assert "set discretisation.depth_parallel=parareal or mgrit, or drop " in err
+    assert not (tmp_path / "run").exists()
+    taken = resolve(SMOKE, ["discretisation.depth_parallel=parareal", override])
+    assert getattr(taken.discretisation, field.split(".")[1]) == value
+
+
+def test_the_serial_solve_of_the_library_has_no_depth_fields_to_ignore():
+    """In the library the chunks, iterations and coarse stepper live in the
+    depth-parallel solve object, so ``depth_parallel=None`` (what the depth fallback
+    rediscretises to) drops them: the rules see their defaults and take the model."""
+    parallel = rediscretise(
+        _post_ln(), depth_parallel=Parareal(Strang(), coarse_steps=2, iterations=3, chunks=2)
+    )
+    got = parallel.choices()
+    assert (got.chunks, got.iterations, got.coarse_stepper, got.coarse_steps) == (2, 3, "strang", 2)
+    serial = rediscretise(parallel, depth_parallel=None).choices()
+    assert (serial.chunks, serial.iterations, serial.coarse_stepper, serial.coarse_steps) == (
+        None, 1, "lie", 1,
+    )  # fmt: skip
+
+
 def test_the_library_refuses_alike():
     with pytest.raises(IncompatibleError, match="discretisation.coarse_stepper: as the coarse"):
         rediscretise(_post_ln(), depth_parallel=Parareal(diffrax.Tsit5(), chunks=2))

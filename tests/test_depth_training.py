@@ -13,8 +13,15 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 from ocformer import train as cli
-from ocformer.config import ConfigError, resolve
-from ocformer.training import DepthFallback, build, gradient_bias, make_bias_step, train
+from ocformer.config import Config, ConfigError, resolve
+from ocformer.training import (
+    DepthFallback,
+    build,
+    gradient_bias,
+    load_run_at,
+    make_bias_step,
+    train,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
@@ -101,10 +108,14 @@ def test_fallback_fires_and_the_run_continues_as_a_serial_run_from_that_state(tm
     for step in (1, 2, 3, 4):
         assert records[step]["loss"] == pytest.approx(again[step]["loss"], rel=1e-12)
     assert records[4]["val_loss"] == pytest.approx(again[4]["val_loss"], rel=1e-12)
-    # Resumed, the fallback run keeps the serial solve that the rule left.
+    # Resumed, the fallback run keeps the serial solve that the rule left. The resume
+    # validates the run's configuration again: the rule changed the solve, not the
+    # configuration, whose chunk and coarse-stepper fields stay those of its parareal.
     train(_steps(fallback, 6), a, allow_config_change=True)
     train(_steps(serial, 6), b, allow_config_change=True)
     assert _records(a)[6]["loss"] == pytest.approx(_records(b)[6]["loss"], rel=1e-12)
+    config, _, step = load_run_at(a)  # validates config.json and the checkpoint's own
+    assert step == 6 and config.discretisation == fallback.discretisation
 
 
 def test_raise_iterations_goes_serial_once_doubling_k_would_be_exact():
@@ -196,6 +207,39 @@ def test_an_fcf_run_with_a_parallel_costate_is_evaluated_under_the_serial_solve(
         evaluation_config(
             trained, ["discretisation.depth_parallel=none", "discretisation.relaxation=FCF"]
         )
+
+
+# The fields only a depth-parallel solve reads, set on a parareal run, with values the
+# smoke model (2 layers) takes.
+DEPTH_FIELDS = {
+    "discretisation.chunks": 2,
+    "discretisation.iterations": 2,
+    "discretisation.coarse_stepper": "euler",
+    "discretisation.coarse_steps": 2,
+}
+
+
+def test_a_parareal_runs_chunks_iterations_and_coarse_solve_give_way_to_the_serial_solve():
+    """``--set discretisation.depth_parallel=none`` on a parareal run: its chunks,
+    iterations and coarse stepper and steps belong to the solve the override replaced,
+    so they give way to their defaults (the serial solve refuses them); another
+    depth-parallel solve keeps them, and set by the evaluation itself they are refused."""
+    from ocformer.evaluation import evaluation_config
+
+    trained = resolve(SMOKE, [*PARAREAL, *(f"{k}={v}" for k, v in DEPTH_FIELDS.items())])
+    serial = evaluation_config(trained, ["discretisation.depth_parallel=none"])
+    defaults = Config().discretisation
+    assert serial.discretisation == dataclasses.replace(
+        trained.discretisation,
+        depth_parallel=None,
+        **{k.split(".")[1]: getattr(defaults, k.split(".")[1]) for k in DEPTH_FIELDS},
+    )
+    mgrit = evaluation_config(trained, ["discretisation.depth_parallel=mgrit"]).discretisation
+    assert [getattr(mgrit, k.split(".")[1]) for k in DEPTH_FIELDS] == list(DEPTH_FIELDS.values())
+    for field, value in DEPTH_FIELDS.items():
+        with pytest.raises(ConfigError) as e:
+            evaluation_config(trained, ["discretisation.depth_parallel=none", f"{field}={value}"])
+        assert e.value.field == field and "but depth_parallel is none" in str(e.value)
 
 
 def test_the_bias_checks_of_a_run_do_not_stop_its_serial_evaluation_config():

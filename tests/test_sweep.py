@@ -119,6 +119,71 @@ def test_an_msa_point_evaluated_under_its_own_and_other_discretisations(tmp_path
     assert [e.labels["solve"] for e in point.evaluations] == ["pid", "parareal"]
 
 
+# The arguments of the shipped sweep files that need one (get_sweep refuses None).
+SWEEP_ARGS = {"msa_vs_adamw.py": ("digits", "char")}
+SHIPPED = [
+    f"{path}:{arg}" if arg else path
+    for path in sorted(glob.glob(os.path.join(ROOT, "experiments", "sweeps", "*.py")))
+    for arg in SWEEP_ARGS.get(os.path.basename(path), (None,))
+]
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=[os.path.basename(s) for s in SHIPPED])
+def test_every_shipped_sweep_resolves_and_validates_every_point(spec):
+    """A rule added to the table that a shipped sweep's point (or evaluation) breaks is
+    found here, not when the sweep is run."""
+    sweep, path, _ = load_sweep(spec)
+    _, points = resolve_points(sweep, path)
+    assert points
+
+
+def test_a_depth_parallel_field_varies_with_depth_parallel_in_one_zipped_axis(tmp_path):
+    """``discretisation.chunks`` set for every point while an axis sweeps
+    ``depth_parallel`` over none: the serial point would ignore it, so it is refused,
+    naming the point that takes it and the zipped axis that varies the two together.
+    So zipped, each point trains what it says, and the parareal point's evaluation
+    under the serial solve lets its chunks give way."""
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(
+                experiment=EXPERIMENT,
+                overrides={"discretisation.chunks": 2},
+                axes=[axis("discretisation.depth_parallel", ["parareal", None], name="solve")],
+            )
+        """,
+    )
+    assert "point solve=none_seed=0: discretisation.chunks: chunks=2 cuts" in msg
+    assert "point solve=parareal takes it and this one does not" in msg
+    assert "vary it together with discretisation.depth_parallel in one zipped axis" in msg
+    path = write_sweep(
+        tmp_path,
+        "zipped",
+        """
+        def get_sweep(arg=None):
+            return Sweep(
+                experiment=EXPERIMENT,
+                axes=[
+                    zipped(
+                        "solve",
+                        {"discretisation.depth_parallel": ["parareal", None],
+                         "discretisation.chunks": [2, None]},
+                        labels=["parareal", "serial"],
+                    )
+                ],
+                evaluate=[axis("discretisation.depth_parallel", [None], name="as")],
+            )
+        """,
+    )
+    sweep, path, _ = load_sweep(path)
+    _, [parareal, serial] = resolve_points(sweep, path)
+    assert [p.config["discretisation"]["chunks"] for p in (parareal, serial)] == [2, None]
+    [evaluation] = parareal.evaluations
+    assert evaluation.sets == ("discretisation.depth_parallel=none",)
+    assert serial.evaluations == ()  # the serial solve is its own row
+
+
 def test_product_zip_seeds_and_only(tmp_path):
     path = write_sweep(
         tmp_path,

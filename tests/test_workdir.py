@@ -729,3 +729,18 @@ def test_a_path_spelled_otherwise_is_no_configuration_change(tmp_path, monkeypat
     assert set(config_changes(stored, same)) == {"task.data_dir", "model.init_from"}
     other = resolve(SMOKE, ["task.data_dir=a", "model.init_from=b"])
     assert set(config_changes(stored, other, then)) == {"task.data_dir"}
+
+
+def test_a_field_added_since_the_run_started_is_its_default():
+    """A stored configuration written before a field existed resumes as that field's
+    default (what runs did before it), and another value is a change from it."""
+    from ocformer.config import to_dict
+    from ocformer.training._rundir import config_changes
+
+    stored = json.loads(json.dumps(to_dict(resolve(SMOKE, []))))
+    del stored["optimiser"]["weight_decay_on"]
+    assert config_changes(stored, resolve(SMOKE, [])) == {}
+    matrices = resolve(SMOKE, ["optimiser.weight_decay_on=matrices"])
+    assert config_changes(stored, matrices) == {"optimiser.weight_decay_on": ("all", "matrices")}
+    stored["optimiser"]["retired"] = 1  # a field the schema no longer has
+    assert config_changes(stored, resolve(SMOKE, [])) == {"optimiser.retired": (1, None)}

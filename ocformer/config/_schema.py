@@ -17,7 +17,7 @@ from typing import Any
 from ..controls import CONTROL_KINDS, NORM_AFFINES
 from ..dynamics import SUB_SOLVERS
 from ..integration import COSTATES, DEPTH_PARALLEL, GRADIENT_METHODS, RELAXATIONS, STEPSIZES
-from ..models import FORMULATIONS, NORM_POSITIONS
+from ..models import FORMULATIONS, NORM_POSITIONS, WEIGHT_DECAY_ON
 from ..objective import KERNEL_NORMS, PRECISIONS, TRAINING_METHODS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
 from ..splitting import SCHEMES, SOLVERS
@@ -210,6 +210,15 @@ class OptimiserConfig:
         0.1, "final / peak learning rate of the cosine decay", ge=0.0, le=1.0
     )
     weight_decay: float = _field(0.0, "decoupled weight decay (adamw)", ge=0.0)
+    weight_decay_on: str = _field(
+        "all",
+        "parameters adamw's weight decay acts on: all, or the weight matrices only (the "
+        "attention maps W^Q, W^K, W^V, W^O and CvT's Q/K/V kernels, the feed-forward "
+        "controls W_j, the symbol, token-type and patch embeddings, the readout and "
+        "pooler weights; not the biases, layer-norm gains and biases, position tables, "
+        "class token)",
+        choices=WEIGHT_DECAY_ON,
+    )
     b1: float = _field(0.9, "Adam beta1", ge=0.0, lt=1.0)
     b2: float = _field(0.99, "Adam beta2", ge=0.0, lt=1.0)
     momentum: float = _field(0.0, "SGD momentum (0: none)", ge=0.0, lt=1.0)

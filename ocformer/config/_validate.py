@@ -178,6 +178,7 @@ def choices(c: Config) -> Choices:
             coarse_stepper_kind=coarse["stepper_kind"],
             coarse_error_estimate=coarse["error_estimate"],
             coarse_steps=d.coarse_steps,
+            iterations=d.iterations,
             chunks=d.chunks,
             steps_per_layer=d.steps_per_layer,
             stepsize=d.stepsize,
@@ -252,6 +253,7 @@ def _check_combinations(c: Config) -> None:
     _check_mesh(c)
     _check_precision(c)
     _check_profile(c)
+    _check_weight_decay(c)
     if c.task.name == "tokens" and not c.task.path:
         raise ConfigError(
             "task.path",
@@ -347,6 +349,21 @@ def _check_precision(c: Config) -> None:
             "model.precision",
             f"float64 compute on {m.dtype} parameters would round every gradient back to "
             f"{m.dtype}; set model.dtype=float64 too, or model.precision={m.dtype}",
+        )
+
+
+def _check_weight_decay(c: Config) -> None:
+    o = c.optimiser
+    # Only adamw decays weights: with adam or sgd the choice of what to decay would be
+    # silently ignored. A weight decay of 0 with "matrices" is accepted (a sweep over
+    # the decay may include 0). Under train.method=msa the optimiser section is unused
+    # and is checked as for gradient training, so that one file serves both methods.
+    if o.weight_decay_on != "all" and o.name != "adamw":
+        raise ConfigError(
+            "optimiser.weight_decay_on",
+            f"weight_decay_on={o.weight_decay_on} chooses the parameters of adamw's "
+            f"decoupled weight decay, and optimiser.name={o.name} applies no weight "
+            "decay; set optimiser.name=adamw, or optimiser.weight_decay_on=all",
         )
 
 

@@ -27,7 +27,7 @@ from ..config import (
     to_dict,
     validate,
 )
-from ..models import rediscretise
+from ..models import DEPTH_PARALLEL_ONLY, rediscretise
 from ..splitting import inner_solver
 from ..training import (
     NonFiniteEvaluation,
@@ -44,12 +44,13 @@ from ..training import (
 GRADIENT_FIELD = "discretisation.gradient"
 # Discretisation fields that an evaluation resets to their defaults when the changed
 # discretisation refuses them and the overrides do not set them: the gradient method
-# and the depth-parallel costate act on training only (evaluation takes no gradient),
-# and MGRIT's relaxation belongs to the solve an override of depth_parallel replaced.
+# acts on training only (evaluation takes no gradient), and MGRIT's relaxation and the
+# fields of a depth-parallel solve (its chunks, iterations, coarse stepper and steps,
+# costate) belong to the solve an override of depth_parallel replaced.
 FOLLOWING_FIELDS: tuple[str, ...] = (
     GRADIENT_FIELD,
-    "discretisation.depth_costate",
     "discretisation.relaxation",
+    *(f"discretisation.{name}" for name in DEPTH_PARALLEL_ONLY),
 )
 # The config section that describes how the equation is discretised (nothing else may
 # change between training and evaluation).
@@ -81,8 +82,9 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     discretisation changed by ``overrides``. The fields that act on training only, or
     only on a solve the overrides replace, give way to their defaults when the new
     discretisation does not take them, unless ``overrides`` set them:
-    ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise under a splitting scheme,
-    an MGRIT FCF-relaxation or a parallel costate under the serial solve). The training
+    ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise under a splitting scheme;
+    an MGRIT FCF-relaxation, or the chunks, iterations, coarse stepper and steps or
+    parallel costate of a depth-parallel run, under the serial solve). The training
     fields are those of gradient training without depth-parallel checks: how the run
     was trained does not restrict how it is evaluated.
 

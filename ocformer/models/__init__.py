@@ -1,4 +1,5 @@
-"""Models: the continuous Transformer, its compatibility rules, embeddings and readouts."""
+"""Models: the continuous Transformer, its compatibility rules, embeddings and readouts,
+and the roles of their parameters (which are weight matrices)."""
 
 from ._cvt import with_conv_projections as with_conv_projections
 from ._embedding import (
@@ -11,7 +12,13 @@ from ._embedding import (
     TokenEmbedding as TokenEmbedding,
     TokenTypeEmbedding as TokenTypeEmbedding,
 )
+from ._matrices import (
+    WEIGHT_DECAY_MASKS as WEIGHT_DECAY_MASKS,
+    WEIGHT_DECAY_ON as WEIGHT_DECAY_ON,
+    weight_matrices as weight_matrices,
+)
 from ._rules import (
+    DEPTH_PARALLEL_ONLY as DEPTH_PARALLEL_ONLY,
     EXPLICIT_RELAXATION_LIMIT as EXPLICIT_RELAXATION_LIMIT,
     IMPLICIT_MIN_STEPS_PER_LAYER as IMPLICIT_MIN_STEPS_PER_LAYER,
     RULES as RULES,

@@ -79,6 +79,7 @@ class Choices:
         coarse_stepper, coarse_stepper_kind, coarse_error_estimate: its coarse time
             stepper, described as ``stepper`` is.
         coarse_steps: steps of the coarse grid over each chunk.
+        iterations: its iterations K.
         chunks: the number of chunks (None: one per layer).
     """
 
@@ -103,7 +104,29 @@ class Choices:
     coarse_stepper_kind: StepperKind = "splitting"
     coarse_error_estimate: bool = False
     coarse_steps: int = 1
+    iterations: int = 1
     chunks: int | None = None
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Choices)}
+
+DEPTH_PARALLEL_ONLY: dict[str, str] = {
+    "coarse_stepper": "is the coarse time stepper of a depth-parallel solve",
+    "coarse_steps": "counts the coarse steps over each chunk of a depth-parallel solve",
+    "iterations": "counts the iterations K of a depth-parallel solve",
+    "depth_costate": "solves the costate of a depth-parallel solve",
+    "chunks": "cuts the layer grid into the chunks of a depth-parallel solve",
+}
+"""The fields of ``Choices`` that only a depth-parallel solve reads, with what each
+does there. Without one (``depth_parallel`` None) a field set away from its default is
+refused, not ignored: a run that forgot ``depth_parallel`` would otherwise train the
+serial solve without a word. (``relaxation`` is MGRIT's alone and has its own rule.)"""
+
+_SERIAL = {
+    name: _DEFAULTS[name]
+    for name in (*DEPTH_PARALLEL_ONLY, "relaxation", "coarse_stepper_kind", "coarse_error_estimate")
+}
+"""The depth-parallel fields of a serial combination: their defaults."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,14 +399,18 @@ def _relaxation_is_mgrit(c: Choices) -> Refusal | None:
     return None
 
 
-def _depth_costate_needs_depth_parallel(c: Choices) -> Refusal | None:
-    if c.depth_costate != "reverse" and c.depth_parallel is None:
-        return Refusal(
-            "discretisation.depth_costate",
-            f"depth_costate={c.depth_costate!r} solves the costate of a depth-parallel "
-            "solve, but depth_parallel is none; set discretisation.depth_parallel="
-            "parareal or mgrit, or depth_costate=reverse",
-        )
+def _depth_fields_need_depth_parallel(c: Choices) -> Refusal | None:
+    if c.depth_parallel is not None:
+        return None
+    for name, what in DEPTH_PARALLEL_ONLY.items():
+        value, default = getattr(c, name), _DEFAULTS[name]
+        if value != default:
+            return Refusal(
+                f"discretisation.{name}",
+                f"{name}={value!r} {what}, but depth_parallel is none and the serial solve "
+                "ignores it; set discretisation.depth_parallel=parareal or mgrit, or drop "
+                f"{name} (default {'none' if default is None else default})",
+            )
     return None
 
 
@@ -439,8 +466,7 @@ def coarse_choices(c: Choices) -> Choices:
         stepsize="constant",
         gradient="discretise_then_optimise",
         depth_parallel=None,
-        relaxation="F",
-        depth_costate="reverse",
+        **_SERIAL,
     )
 
 
@@ -460,7 +486,7 @@ def _depth_coarse_stepper(c: Choices) -> Refusal | None:
 RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
     _depth_needs_piecewise_constant,
     _relaxation_is_mgrit,
-    _depth_costate_needs_depth_parallel,
+    _depth_fields_need_depth_parallel,
     _depth_chunks_divide_layers,
     _depth_coarse_steps_fit,
     _depth_coarse_stepper,

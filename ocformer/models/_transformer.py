@@ -189,6 +189,7 @@ class ContinuousTransformer(eqx.Module):
                 coarse_stepper_kind=coarse["stepper_kind"],
                 coarse_error_estimate=coarse["error_estimate"],
                 coarse_steps=d.depth_parallel.coarse_steps,
+                iterations=d.depth_parallel.iterations,
                 chunks=d.depth_parallel.chunks,
                 relaxation=d.depth_parallel.relaxation,
                 depth_costate=d.depth_parallel.costate,

@@ -150,6 +150,30 @@ def _combinations(axes: Sequence[Axis]):
         yield labels, settings
 
 
+def _shared_field_hint(base, fixed: Sequence[str], axes: Sequence[Axis], field: str) -> str:
+    """What to do about a refused ``field`` that no axis sets (every point takes the
+    experiment's or the overrides' value) while another point takes it: such a field
+    depends on the axes (``discretisation.chunks`` is refused at the point
+    ``depth_parallel=none`` and taken at ``depth_parallel=parareal``), so it is varied
+    with them. Empty when an axis sets it or no point takes it."""
+    swept = [f for a in axes for f in a.fields]
+    if not swept or field in swept:
+        return ""
+    for labels, settings in _combinations(axes):
+        sets = [*fixed, *(f"{f}={format_value(v)}" for f, v in settings.items())]
+        try:
+            validate_config(apply_overrides(base, sets))
+        except ConfigError:
+            continue
+        return (
+            f" ({field} is not an axis of the sweep, so every point takes the value of "
+            f"the experiment or the sweep's overrides; point {_slug_of(labels)} takes it "
+            f"and this one does not: vary it together with {', '.join(dict.fromkeys(swept))} "
+            "in one zipped axis)"
+        )
+    return ""
+
+
 def _matches(only: Sequence[tuple[str, str]], labels: dict, settings: dict) -> bool:
     for key, text in only:
         if key in settings:
@@ -234,7 +258,8 @@ def resolve_points(
             try:
                 config = validate_config(apply_overrides(base, list(sets)))
             except ConfigError as e:
-                raise SweepError(f"{sweep_path}: point {slug}", str(e)) from None
+                hint = _shared_field_hint(base, fixed, sweep.axes, e.field)
+                raise SweepError(f"{sweep_path}: point {slug}", f"{e}{hint}") from None
             config_dict = to_dict(config)
             evals = []
             for e_labels, e_settings in evaluations:

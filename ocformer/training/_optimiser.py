@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from ..config import OptimiserConfig
+from ..models import WEIGHT_DECAY_MASKS
 
 
 class ScheduleState(NamedTuple):
@@ -143,11 +144,18 @@ def under_standard_promotion(tx: optax.GradientTransformation) -> optax.Gradient
 
 
 @functools.cache
-def _update_rule(name: str, b1: float, b2: float, weight_decay: float, momentum: float, clip):
+def _update_rule(
+    name: str, b1: float, b2: float, weight_decay: float, decay_on: str, momentum: float, clip
+):
     # Cached on what shapes the compiled update, so that two runs of one rule share the
     # optimiser's update function and with it the compiled training step.
     if name == "adamw":
-        rule = optax.adamw(1.0, b1=b1, b2=b2, weight_decay=weight_decay)
+        # weight_decay_on=all passes no mask, so that its update and state are those of
+        # plain adamw; the decay term holds no state either way, so that the two states
+        # have the same arrays and a run may resume under the other choice.
+        rule = optax.adamw(
+            1.0, b1=b1, b2=b2, weight_decay=weight_decay, mask=WEIGHT_DECAY_MASKS[decay_on]
+        )
     elif name == "adam":
         rule = optax.adam(1.0, b1=b1, b2=b2)
     else:
@@ -163,11 +171,17 @@ def make_optimiser(
     """(optimiser, schedule): optional global-norm clipping, then adamw/adam/sgd, then
     the learning-rate schedule, whose numbers are in the optimiser state.
 
+    adamw's decoupled weight decay acts on every parameter or, with
+    ``weight_decay_on="matrices"``, on the weight matrices only
+    (``ocformer.models.weight_matrices``), which needs parameters shaped as a model
+    (``eqx.filter(model, eqx.is_inexact_array)``, as the training step gives them).
     ``optimiser.update`` depends only on the rule's constants (name, betas, weight
-    decay, momentum, clipping); ``optimiser.init`` puts the schedule of ``cfg`` and
-    ``total_steps`` into the state.
+    decay and what it acts on, momentum, clipping); ``optimiser.init`` puts the
+    schedule of ``cfg`` and ``total_steps`` into the state.
     """
-    rule = _update_rule(cfg.name, cfg.b1, cfg.b2, cfg.weight_decay, cfg.momentum, cfg.clip_norm)
+    rule = _update_rule(
+        cfg.name, cfg.b1, cfg.b2, cfg.weight_decay, cfg.weight_decay_on, cfg.momentum, cfg.clip_norm
+    )
 
     def init(params):
         return with_schedule(rule.init(params), cfg, total_steps)

@@ -106,13 +106,16 @@ RELATIVE_PATHS = (("task", "path"), ("task", "data_dir"), ("model", "init_from")
 
 def config_changes(stored: dict, config: Config, stored_cwd: str | None = None) -> dict[str, tuple]:
     """The dotted fields in which ``config`` differs from the stored configuration
-    ``stored`` (as written to ``config.json``), each as ``(stored, new)``; fields that
-    exist on one side only have ``None`` on the other. A path (``RELATIVE_PATHS``) that
+    ``stored`` (as written to ``config.json``), each as ``(stored, new)``; a field that
+    only ``stored`` has (one the schema no longer has) has ``None`` as its new value,
+    and one that ``stored`` lacks counts as its default: that run was written before
+    the field existed, and a field's default is what runs did before it
+    (``optimiser.weight_decay_on=all``, for one). A path (``RELATIVE_PATHS``) that
     names the same place is no change: the stored one taken relative to
     ``stored_cwd`` (where that run started; None: compared as written), the new one
     relative to this process's directory."""
-    old = _flatten(stored)
     new = _flatten(json.loads(json.dumps(to_dict(config))))
+    old = {**_flatten(json.loads(json.dumps(to_dict(Config())))), **_flatten(stored)}
     keys = [k for k in new if k in old] + [k for k in new if k not in old]
     keys += [k for k in old if k not in new]
     paths = {f"{section}.{name}" for section, name in RELATIVE_PATHS}
