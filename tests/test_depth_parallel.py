@@ -287,6 +287,7 @@ for name, count in [(n, c) for n in methods for c in (1, 2, 4)]:
             int(m) for m in re.findall(r"f64\\[(\\d+),(?:1,)?2,5,8\\]", hlo)
         ).most_common(1)[0][0],
         "all_gather": "all-gather" in hlo,
+        "serial_val_loss": serial,
     }
 print("RESULT " + json.dumps(out))
 """
@@ -327,6 +328,7 @@ import equinox as eqx, jax
 jax.config.update("jax_enable_x64", True)
 from ocformer.config import resolve
 from ocformer.distributed import Layout
+from ocformer.evaluation import evaluate_run
 from ocformer.training import build, make_train_step, train
 
 spec, base = sys.argv[1], sys.argv[2:]
@@ -337,6 +339,7 @@ for data, depth in [(1, 1), (1, 4), (2, 2)]:
         train(config, w)
         with open(os.path.join(w, "metrics.jsonl")) as f:
             losses = [json.loads(line)["loss"] for line in f if '"loss"' in line]
+        serial = evaluate_run(w, ["discretisation.depth_parallel=none"])["val_loss"]
     layout = Layout(config)
     exp = build(config, mesh=layout.mesh)
     method = exp.model.transformer.discretisation.depth_parallel
@@ -354,6 +357,7 @@ for data, depth in [(1, 1), (1, 4), (2, 2)]:
         "losses": losses,
         "mesh_depth": None if method.mesh is None else int(method.mesh.shape["depth"]),
         "all_gather": "all-gather" in hlo,
+        "serial_val_loss": serial,
     }
 print("RESULT " + json.dumps(out))
 """
@@ -364,7 +368,8 @@ def test_training_with_mesh_depth_splits_the_chunks_and_keeps_the_losses():
     """A few float64 training steps of the smoke model (4 layers, parareal on 4 chunks)
     on 4 forced CPU devices: mesh.depth = 4 and data x depth = 2 x 2 give the losses
     of mesh.depth = 1, the built model's solve has the mesh, and the compiled step
-    gathers over the depth devices."""
+    gathers over the depth devices. Each run is evaluated under the serial solve
+    (``depth_parallel=none``, which resets the depth devices), with the same loss."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4), PYTHONPATH=ROOT)
     overrides = [
         "model.num_layers=4", "discretisation.depth_parallel=parareal",
@@ -383,6 +388,7 @@ def test_training_with_mesh_depth_splits_the_chunks_and_keeps_the_losses():
     for mesh, depth in (("1x4", 4), ("2x2", 2)):
         got = out[mesh]
         np.testing.assert_allclose(got["losses"], one["losses"], rtol=1e-12, atol=0)
+        assert got["serial_val_loss"] == pytest.approx(one["serial_val_loss"], rel=1e-10)
         assert got["mesh_depth"] == depth
     # On the 1 x 1 x 4 mesh only the depth axis can split anything: the step gathers the
     # chunks' end states over it for the serial coarse sweep.

@@ -242,6 +242,20 @@ def test_a_parareal_runs_chunks_iterations_and_coarse_solve_give_way_to_the_seri
         assert e.value.field == field and "but depth_parallel is none" in str(e.value)
 
 
+def test_a_run_on_depth_devices_is_evaluated_under_the_serial_solve():
+    """The devices a parareal run split its chunks over (``mesh.depth``) belong to the
+    solve an evaluation under ``depth_parallel=none`` replaces: they give way to one
+    device, where the serial solve refuses more."""
+    from ocformer.evaluation import evaluation_config
+
+    trained = resolve(SMOKE, [*PARAREAL, "mesh.depth=2"])
+    serial = evaluation_config(trained, ["discretisation.depth_parallel=none"])
+    assert serial.mesh == dataclasses.replace(trained.mesh, depth=1)
+    assert serial.discretisation.depth_parallel is None
+    kept = evaluation_config(trained, ["discretisation.iterations=2"])
+    assert kept.mesh == trained.mesh
+
+
 def test_the_bias_checks_of_a_run_do_not_stop_its_serial_evaluation_config():
     """``evaluation_config`` (a sweep's evaluation axis calls it directly) idles the
     bias checks and fallback, which act on training: a run with them is evaluated

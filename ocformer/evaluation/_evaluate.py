@@ -21,7 +21,6 @@ import numpy as np
 from ..config import (
     Config,
     ConfigError,
-    DiscretisationConfig,
     apply_overrides,
     check_keys,
     to_dict,
@@ -42,15 +41,17 @@ from ..training import (
 )
 
 GRADIENT_FIELD = "discretisation.gradient"
-# Discretisation fields that an evaluation resets to their defaults when the changed
-# discretisation refuses them and the overrides do not set them: the gradient method
-# acts on training only (evaluation takes no gradient), and MGRIT's relaxation and the
-# fields of a depth-parallel solve (its chunks, iterations, coarse stepper and steps,
-# costate) belong to the solve an override of depth_parallel replaced.
+# Fields that an evaluation resets to their defaults when the changed discretisation
+# refuses them and the overrides do not set them: the gradient method acts on training
+# only (evaluation takes no gradient), and MGRIT's relaxation, the fields of a
+# depth-parallel solve (its chunks, iterations, coarse stepper and steps, costate) and
+# the devices its chunks were split over (mesh.depth) belong to the solve an override
+# of depth_parallel replaced.
 FOLLOWING_FIELDS: tuple[str, ...] = (
     GRADIENT_FIELD,
     "discretisation.relaxation",
     *(f"discretisation.{name}" for name in DEPTH_PARALLEL_ONLY),
+    "mesh.depth",
 )
 # The config section that describes how the equation is discretised (nothing else may
 # change between training and evaluation).
@@ -83,8 +84,9 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     only on a solve the overrides replace, give way to their defaults when the new
     discretisation does not take them, unless ``overrides`` set them:
     ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise under a splitting scheme;
-    an MGRIT FCF-relaxation, or the chunks, iterations, coarse stepper and steps or
-    parallel costate of a depth-parallel run, under the serial solve). The training
+    an MGRIT FCF-relaxation, or the chunks, iterations, coarse stepper and steps,
+    parallel costate or depth devices of a depth-parallel run, under the serial
+    solve). The training
     fields are those of gradient training without depth-parallel checks: how the run
     was trained does not restrict how it is evaluated.
 
@@ -108,12 +110,10 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
             if e.field not in FOLLOWING_FIELDS or e.field in given:
                 raise
             given.add(e.field)  # reset once: a refusal after it is the override's
-            name = e.field.split(".", 1)[1]
-            default = getattr(DiscretisationConfig(), name)
-            changed = dataclasses.replace(
-                changed,
-                discretisation=dataclasses.replace(changed.discretisation, **{name: default}),
-            )
+            section, name = e.field.split(".", 1)
+            default = getattr(getattr(Config(), section), name)
+            fields = dataclasses.replace(getattr(changed, section), **{name: default})
+            changed = dataclasses.replace(changed, **{section: fields})
 
 
 def discretisation_of(config: Config) -> dict:
