@@ -287,7 +287,6 @@ for name, count in [(n, c) for n in methods for c in (1, 2, 4)]:
             int(m) for m in re.findall(r"f64\\[(\\d+),(?:1,)?2,5,8\\]", hlo)
         ).most_common(1)[0][0],
         "all_gather": "all-gather" in hlo,
-        "serial_val_loss": serial,
     }
 print("RESULT " + json.dumps(out))
 """
