@@ -407,11 +407,9 @@ def test_under_pid_steps_each_gradient_is_exact_on_the_grid_its_program_chose(mo
     reference is ``diffrax.StepTo`` on the accepted times, differentiated in forward
     mode. Discretise-then-optimise gives that of the forward solve's grid, forward mode
     (``jax.jvp`` through ``direct``) that of the grid its own program chose, each to
-    1e-12, stepping onto the layer jumps or across them. At rtol 1e-8 the error
-    estimate is a difference of stage values some 1e8 times its size, so two programs'
-    roundings can choose different grids (91 and 94 accepted steps with the jumps, on
-    CPU), and on a ReLU network the discrete derivative moves with the grid
-    (docs/training_math.md)."""
+    1e-12, stepping onto the layer jumps or across them. The two grids may differ (the
+    two programs round the error estimate differently), and on a ReLU network the
+    discrete derivative moves with the grid: docs/training_math.md measures both."""
     solves = _GridSolves()
     monkeypatch.setattr(diffrax, "diffeqsolve", solves)
     objective = Objective()

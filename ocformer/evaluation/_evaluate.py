@@ -86,9 +86,8 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise under a splitting scheme;
     an MGRIT FCF-relaxation, or the chunks, iterations, coarse stepper and steps,
     parallel costate or depth devices of a depth-parallel run, under the serial
-    solve). The training
-    fields are those of gradient training without depth-parallel checks: how the run
-    was trained does not restrict how it is evaluated.
+    solve). The training fields are those of gradient training without depth-parallel
+    checks: how the run was trained does not restrict how it is evaluated.
 
     Raises:
         ConfigError: an invalid override or combination.

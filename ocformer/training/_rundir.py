@@ -116,8 +116,7 @@ def config_changes(stored: dict, config: Config, stored_cwd: str | None = None) 
     relative to this process's directory."""
     new = _flatten(json.loads(json.dumps(to_dict(config))))
     old = {**_flatten(json.loads(json.dumps(to_dict(Config())))), **_flatten(stored)}
-    keys = [k for k in new if k in old] + [k for k in new if k not in old]
-    keys += [k for k in old if k not in new]
+    keys = [*new, *(k for k in old if k not in new)]  # every field of new is in old
     paths = {f"{section}.{name}" for section, name in RELATIVE_PATHS}
     return {
         k: (old.get(k), new.get(k))
