@@ -744,3 +744,32 @@ def test_a_field_added_since_the_run_started_is_its_default():
     assert config_changes(stored, matrices) == {"optimiser.weight_decay_on": ("all", "matrices")}
     stored["optimiser"]["retired"] = 1  # a field the schema no longer has
     assert config_changes(stored, resolve(SMOKE, [])) == {"optimiser.retired": (1, None)}
+
+
+def test_a_run_recorded_with_fields_its_version_ignored_still_loads(reference, tmp_path, capsys):
+    """A run recorded by a version that accepted ``discretisation.chunks`` (and the
+    other depth-parallel fields) under the serial solve and ignored them is read as it
+    trained: it loads, evaluates and resumes unchanged, where a new configuration with
+    those fields is refused."""
+    from ocformer import evaluate
+
+    workdir = copy_of(reference, tmp_path)
+    ignored = {"chunks": 2, "iterations": 3, "coarse_steps": 2}
+
+    def record_ignored(path):
+        data = json.loads(path.read_text())
+        config = data["metadata"]["config"] if "metadata" in data else data
+        config["discretisation"].update(ignored)
+        path.write_text(json.dumps(data))
+
+    record_ignored(workdir / "config.json")
+    for step in CheckpointManager(str(workdir / "checkpoints")).steps():
+        record_ignored(workdir / "checkpoints" / f"step_{step}" / MARKER)
+    assert restore_run(workdir)[2] == STEPS
+    assert RunDirectory(workdir).check(resolve(SMOKE, BASE)) == {}
+    capsys.readouterr()
+    assert evaluate.main([str(workdir)]) == 0
+    assert cli.main(argv(workdir, "train.steps=14", flags=["--allow-config-change"])) == 0
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 15))
+    assert cli.main(argv(workdir, "train.steps=16", "discretisation.chunks=2")) == 2
+    assert "depth_parallel is none and the serial solve ignores it" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from ._schema import (
 )
 from ._validate import (
     ConfigError as ConfigError,
+    as_recorded as as_recorded,
     check_keys as check_keys,
     choices as choices,
     from_dict as from_dict,

@@ -17,11 +17,11 @@ from typing import Any, cast
 import diffrax
 
 from ..dynamics import SubSolver
-from ..models import Choices, describe_stepper, refusals
+from ..models import DEPTH_PARALLEL_ONLY, Choices, describe_stepper, refusals
 from ..objective import msa_refusals, ternary_refusals
 from ..splitting import SCHEMES, SOLVERS
 from ._explicit import is_set
-from ._schema import SECTIONS, Config
+from ._schema import SECTIONS, Config, DiscretisationConfig
 
 
 class ConfigError(ValueError):
@@ -502,6 +502,21 @@ def _check_depth_training(c: Config) -> None:
             "train.depth_fallback_cosine=C (with train.depth_bias_every=N) or train."
             "depth_fallback_patience=P, or train.depth_fallback=none",
         )
+
+
+def as_recorded(data: dict) -> dict:
+    """A configuration recorded by a run (``config.json``, a checkpoint's marker), read
+    with the meaning it had when that run trained: a field that version accepted and
+    ignored, and that this version refuses instead, is set back to its default.
+    Those are the depth-parallel fields (``ocformer.models.DEPTH_PARALLEL_ONLY``)
+    under ``discretisation.depth_parallel`` none: the serial solve never read them.
+    A new configuration is never read this way: there they are refused."""
+    disc = data.get("discretisation") if isinstance(data, dict) else None
+    if not isinstance(disc, dict) or disc.get("depth_parallel") is not None:
+        return data
+    defaults = {f.name: f.default for f in dataclasses.fields(DiscretisationConfig)}
+    reset = {k: defaults[k] for k in DEPTH_PARALLEL_ONLY if k in disc and k in defaults}
+    return {**data, "discretisation": {**disc, **reset}}
 
 
 def from_dict(data: dict) -> Config:

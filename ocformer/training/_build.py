@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from .. import controls
 from ..checkpointing import CheckpointError, CheckpointManager
-from ..config import Config, ConfigError, from_dict, stepper_object, validate
+from ..config import Config, ConfigError, as_recorded, from_dict, stepper_object, validate
 from ..config._explicit import with_field
 from ..controls import NormParams
 from ..integration import DEPTH_AXIS, DEPTH_PARALLEL, GRADIENT_METHODS, Discretisation
@@ -289,7 +289,7 @@ def restore_run(
         raise WorkdirError(f"{path} is not an ocformer work directory (no {RUN_MARKER})")
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            config = validate(from_dict(json.load(f)))
+            config = validate(from_dict(as_recorded(json.load(f))))
     except (OSError, json.JSONDecodeError) as e:
         raise WorkdirError(
             f"{path}/config.json cannot be read ({e}). Restore it; or delete it, and "
@@ -360,7 +360,7 @@ def _checkpoint_config(checkpoints: CheckpointManager, step: int, stored: Config
     if recorded is None:
         return stored
     try:
-        return validate(from_dict(recorded))
+        return validate(from_dict(as_recorded(recorded)))
     except ConfigError as e:
         raise ConfigError(
             e.field,

@@ -30,7 +30,7 @@ from ..checkpointing import (
     atomic_write_text,
     remove_stale_temporaries,
 )
-from ..config import Config, ConfigError, to_dict
+from ..config import Config, ConfigError, as_recorded, to_dict
 from ..distributed import wait_timeout_s
 from ..tasks import dataset_identity
 from ._errors import DATASET_CHANGE, ConfigChanged, WorkdirError
@@ -113,9 +113,10 @@ def config_changes(stored: dict, config: Config, stored_cwd: str | None = None) 
     (``optimiser.weight_decay_on=all``, for one). A path (``RELATIVE_PATHS``) that
     names the same place is no change: the stored one taken relative to
     ``stored_cwd`` (where that run started; None: compared as written), the new one
-    relative to this process's directory."""
+    relative to this process's directory. ``stored`` is read as recorded
+    (``ocformer.config.as_recorded``): a field its version ignored is no change."""
     new = _flatten(json.loads(json.dumps(to_dict(config))))
-    old = {**_flatten(json.loads(json.dumps(to_dict(Config())))), **_flatten(stored)}
+    old = {**_flatten(json.loads(json.dumps(to_dict(Config())))), **_flatten(as_recorded(stored))}
     keys = [*new, *(k for k in old if k not in new)]  # every field of new is in old
     paths = {f"{section}.{name}" for section, name in RELATIVE_PATHS}
     return {
