@@ -200,6 +200,22 @@ def test_an_overflowing_optimiser_state_is_found_at_its_step(tmp_path):
     assert CheckpointManager(str(tmp_path / "run" / "checkpoints")).steps() == []
 
 
+def test_an_overflowing_optimiser_state_is_skipped_under_skip(tmp_path, capsys):
+    """``on_nonfinite=skip`` skips an update whose loss is finite but whose optimiser
+    state overflowed (each update here): the run ends with every update skipped and
+    its parameters and optimiser state those it started with, which checkpoint."""
+    steps = 3
+    overrides = [*QUIET, f"train.steps={steps}", "train.checkpoint_every=1"]
+    overrides += ["objective.control_size=1e30", "optimiser.clip_norm=none"]
+    summary = train(resolve(SMOKE, [*overrides, "train.on_nonfinite=skip"]), str(tmp_path))
+    assert summary["skipped_steps"] == steps
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(tmp_path))
+    first, last = _checkpoint_arrays(tmp_path, 1), _checkpoint_arrays(tmp_path, steps)
+    leaves = CheckpointManager(str(tmp_path / "checkpoints")).read_marker(steps)["leaves"]
+    differ = [leaves[int(k)]["path"] for k in first if not np.array_equal(first[k], last[k])]
+    assert differ == [".step", ".skipped"]
+
+
 def test_checkpoint_with_nonfinite_values_is_never_written(tmp_path):
     mgr = CheckpointManager(str(tmp_path), keep=2)
     mgr.save(1, {"w": np.ones(3)})
