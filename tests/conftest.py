@@ -1,7 +1,8 @@
 """Test-wide settings: XLA's fast CPU compilation, float64 available, strict rank and
 dtype promotion (also in every process the run starts), warnings as errors
 (pyproject), one persistent compilation cache shared by every process of the run, and
-the order in which tests are handed to the workers. Array shapes in public signatures
+the order in which tests are handed to the workers, and submitit imported before any
+test captures output. Array shapes in public signatures
 are documented by the jaxtyping aliases of ``ocformer._custom_types``; they are not
 checked at run time."""
 
@@ -49,6 +50,12 @@ os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# submitit configures its logger's handlers with the sys.stdout and sys.stderr of the
+# moment it is first imported. ocformer imports it only when a job is submitted, which
+# in a test would be under capsys, whose streams are closed after that test: imported
+# here, it logs to the session's streams instead.
+import submitit  # noqa: E402, F401
 
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_numpy_rank_promotion", "raise")

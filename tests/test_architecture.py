@@ -291,3 +291,23 @@ def test_package_inits_export_public_names_only():
         for line in text.splitlines():
             if line.startswith(("from .", "    ")) and " as _" in line:
                 pytest.fail(f"{init.relative_to(ROOT)} re-exports a private name: {line}")
+
+
+def test_the_library_works_without_tokenizers_or_submitit():
+    """``tokenizers`` (own corpora) and ``submitit`` (SLURM) are imported where they
+    are used: the package, its command lines and a built-in task's experiment import
+    and build on a machine that has neither."""
+    code = (
+        "import sys\n"
+        "sys.modules['tokenizers'] = sys.modules['submitit'] = None  # import fails\n"
+        "import ocformer, ocformer.train, ocformer.evaluate, ocformer.launch, ocformer.sweep\n"
+        "import ocformer.analysis, ocformer.export\n"
+        "from ocformer.config import resolve\n"
+        "from ocformer.training import build\n"
+        "build(resolve('experiments/smoke.py', []))\n"
+        "print('OK')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr[-3000:]

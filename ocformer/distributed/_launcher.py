@@ -15,8 +15,11 @@ kills them). The processes have their own process group and end with the launche
 GPU, through submitit. Every task (``TrainTask``) runs ``python -m ocformer.train``
 with the same arguments; JAX reads each task's place (coordinator, count, id, its GPU)
 from SLURM. On preemption or timeout the training processes checkpoint on SIGTERM and
-the job is requeued; the rerun resumes from that checkpoint.
+the job is requeued; the rerun resumes from that checkpoint. submitit is imported when
+a job is submitted or requeued, not with ``ocformer``.
 """
+
+from __future__ import annotations
 
 import contextlib
 import math
@@ -29,12 +32,13 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
-
-import submitit
+from typing import TYPE_CHECKING, Any
 
 from ._process import PEER_LOST, process_environment
 from ._processes import SlurmJob, slurm_job, stop_processes, supervised
+
+if TYPE_CHECKING:
+    import submitit
 
 GRACE_S = 30.0
 """Seconds the other processes get after one fails, before SIGKILL."""
@@ -267,10 +271,12 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, stop: "_Stop") -> 
 # -- SLURM ---------------------------------------------------------------------
 
 
-class TrainTask(submitit.helpers.Checkpointable):
+class TrainTask:
     """One SLURM task of the job: ``python -m ocformer.train`` with the job's arguments
     (JAX reads the task's place from SLURM). On preemption or timeout, SIGTERM lets the
-    process checkpoint, and the job is requeued with the same arguments."""
+    process checkpoint, and the job is requeued with the same arguments: submitit
+    requeues a task whose callable has a ``checkpoint`` method (as its
+    ``helpers.Checkpointable`` has), calling it for the resubmission."""
 
     def __init__(self, train_args: Sequence[str]):
         self.train_args = list(train_args)
@@ -295,7 +301,9 @@ class TrainTask(submitit.helpers.Checkpointable):
         if proc is not None:
             stop_processes([proc], GRACE_S * 2)
         self._proc = None
-        return submitit.helpers.DelayedSubmission(TrainTask(self.train_args))
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(TrainTask(self.train_args))
 
     def __getstate__(self) -> dict:
         return {"train_args": self.train_args, "_proc": None}

@@ -7,8 +7,11 @@ its next step and exits 143), at most ``grace_s`` seconds for all of them to end
 SIGKILL for the rest, so that no process is left running once its parent has gone.
 Every command that submits to SLURM (a multi-node run, a sweep's job array) describes
 its job with ``slurm_job``: the executor that submits it and the script that a dry run
-prints come from the same parameters.
+prints come from the same parameters. submitit is imported when a job is submitted,
+not with ``ocformer``.
 """
+
+from __future__ import annotations
 
 import contextlib
 import dataclasses
@@ -17,12 +20,13 @@ import signal
 import time
 from collections.abc import Mapping, Sequence
 from subprocess import Popen
-from typing import Any
-
-import submitit
+from typing import TYPE_CHECKING, Any
 
 from .._cli import PARENT_ENV
 from .._compat import sbatch_script
+
+if TYPE_CHECKING:
+    import submitit
 
 # How long SIGKILLed processes are waited for (the kernel ends them at once; this only
 # bounds the wait for the kernel to report it).
@@ -123,6 +127,8 @@ class SlurmJob:
 
     def executor(self) -> submitit.AutoExecutor:
         """A submitit executor that submits this job (on a machine with SLURM)."""
+        import submitit
+
         executor = submitit.AutoExecutor(folder=self.folder, cluster="slurm")
         executor.update_parameters(**self.parameters)
         return executor

@@ -4,20 +4,24 @@ Each task runs ``run_point`` (the same ``python -m ocformer.train`` and
 ``python -m ocformer.evaluate`` processes as the local launcher). When SLURM signals a
 timeout or preemption, submitit calls ``PointJob.checkpoint``: the training process
 gets SIGTERM, writes a checkpoint and exits, and the task is requeued with the same
-point, whose training resumes from that checkpoint.
+point, whose training resumes from that checkpoint. submitit is imported when a job is
+submitted or requeued, not with ``ocformer``.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import submitit
+from typing import TYPE_CHECKING, Any
 
 from ..distributed import SlurmJob, slurm_job
 from ._run import run_point, stop_children
 from ._spec import SweepError
+
+if TYPE_CHECKING:
+    from submitit.helpers import DelayedSubmission
 
 SLURM_OPTIONS: tuple[str, ...] = (
     "partition",
@@ -86,8 +90,9 @@ def slurm_options(defaults: Mapping[str, Any], flags: Mapping[str, Any]) -> Slur
     return SlurmOptions(**merged)
 
 
-class PointJob(submitit.helpers.Checkpointable):
-    """One array task: run (or resume) a sweep point."""
+class PointJob:
+    """One array task: run (or resume) a sweep point. submitit requeues a task whose
+    callable has a ``checkpoint`` method (as its ``helpers.Checkpointable`` has)."""
 
     def __init__(self, sweep_dir: str):
         self.sweep_dir = sweep_dir
@@ -95,11 +100,14 @@ class PointJob(submitit.helpers.Checkpointable):
     def __call__(self, point: dict) -> dict:
         return run_point(self.sweep_dir, point)
 
-    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+    def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
         # Let the training process checkpoint before the task is requeued; the new task
-        # resumes from that checkpoint.
+        # resumes from that checkpoint (the same point: submitit passes the call's
+        # arguments back in).
+        from submitit.helpers import DelayedSubmission
+
         stop_children()
-        return super().checkpoint(*args, **kwargs)
+        return DelayedSubmission(self, *args, **kwargs)
 
 
 def require_slurm() -> None:

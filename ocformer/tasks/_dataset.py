@@ -30,6 +30,8 @@ The directory appears whole: it is built in a temporary sibling and renamed into
 An existing ``DIR`` is replaced only if it is empty or was written by this function.
 """
 
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import glob
@@ -43,10 +45,9 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
-from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
 from .._cli import process_exists
@@ -62,6 +63,9 @@ from ._tokenizer import (
     load_tokenizer,
     unencodable,
 )
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 FORMAT = "ocformer-tokens"
 FORMAT_VERSION = 1

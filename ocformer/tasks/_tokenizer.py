@@ -8,15 +8,22 @@
   Every text encodes, and decoding gives the text back exactly.
 - a path to a ``tokenizer.json`` file, or to a directory holding one (a Hugging Face
   checkpoint directory): used as it is, copied byte for byte into the dataset.
+
+The ``tokenizers`` library is imported by the functions that use it, so that
+``import ocformer`` and the built-in tasks run where it is not installed.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import pathlib
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 TokenizerKind = Literal["char", "bpe", "file"]
@@ -71,6 +78,8 @@ class TokenizerSpec:
 
 def load_tokenizer(file: pathlib.Path, what: str = "tokenizer") -> Tokenizer:
     """``Tokenizer.from_file(file)``, with an error naming the file when it is not one."""
+    from tokenizers import Tokenizer
+
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file
@@ -83,6 +92,8 @@ def load_tokenizer(file: pathlib.Path, what: str = "tokenizer") -> Tokenizer:
 
 def char_tokenizer(symbols: Iterable[str]) -> Tokenizer:
     """A tokenizer with one id per character of ``symbols``, in code-point order."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     vocab = {c: i for i, c in enumerate(sorted(set(symbols)))}
     if not vocab:
         raise ValueError("A character tokenizer needs at least one character.")
@@ -107,6 +118,8 @@ def bpe_tokenizer(texts: Iterable[str], size: int) -> Tokenizer:
     """A byte-level BPE of ``size`` symbols trained on ``texts`` (streamed: the trainer
     keeps word counts, not the texts). A corpus with fewer distinct pairs than merges
     asked for gives fewer symbols; the manifest records the real vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
