@@ -175,8 +175,11 @@ def run(
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     peak = _peak_for(device.device_kind)
+    # 8192-square products, whose time outweighs the wait for each call's result more
+    # than at 4096: there the median rate (327 TFLOP/s on the H200) was below what plain
+    # flax's whole step reached (mfu_vs_measured_matmul 1.11, gpu/h200_cudnn_b32.json).
     measured_peak = matmul_peak(
-        4096 if not dry_run else 256, 2.0 if not dry_run else 0.2, compute_dtype
+        8192 if not dry_run else 256, 2.0 if not dry_run else 0.2, compute_dtype
     )
     tokens = size["batch"] * size["seq_len"]
     flops = model_flops_per_token(shape) * tokens

@@ -5,16 +5,29 @@
 # compilation. EXTRA="--dry-run" runs the same commands at a tiny size anywhere.
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh
-set -euo pipefail
+set -uo pipefail
 out="${OUT:-benchmarks/gpu/$(date +%Y-%m-%d)}"
 mkdir -p "$out"
-py="${PYTHON:-python}"
+py="${PYTHON:-$(command -v python || command -v python3)}"
+# Files are named by the card (h200_..., h100_...), from nvidia-smi's name of GPU 0.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
+       awk '{print tolower($NF)}')
+card="${card:-gpu}"
 read -r -a extra <<< "${EXTRA:-}"
-run() { "$py" -m benchmarks.gpu "${extra[@]}" "$@"; }
+failed=()
+# A run that fails (a compilation error, memory) is reported and the next one still runs.
+run() {
+    local json="${*: -1}"
+    "$py" -m benchmarks.gpu "${extra[@]}" "$@" || failed+=("$(basename "$json"): exit $?")
+}
 # The MFU target: batch 32, cuDNN attention; the default gradient, stored_projections
 # (the fastest stored gradient on the CPU) and stored.
 run --attention cudnn --batch 32 --budget 20 --gradients stored_projections,stored \
-    --json "$out/h200_cudnn_b32.json"
+    --json "$out/${card}_cudnn_b32.json"
 run --attention cudnn --batch 16 --budget 20 --gradients stored_projections,stored_dots \
-    --json "$out/h200_cudnn_b16.json"
-run --attention xla --batch 16 --budget 15 --gradients stored --json "$out/h200_xla_b16.json"
+    --json "$out/${card}_cudnn_b16.json"
+run --attention xla --batch 16 --budget 15 --gradients stored --json "$out/${card}_xla_b16.json"
+if ((${#failed[@]})); then
+    printf 'gpu_session: failed: %s\n' "${failed[@]}" >&2
+    exit 1
+fi
