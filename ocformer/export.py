@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     enable_x64_for_run(args.workdir)  # a float64 run (or start) is rebuilt in float64
     try:
         path = export(args.workdir, args.to, args.step, overwrite=args.overwrite)
-    except (ConfigError, WorkdirError, CheckpointError, FileExistsError) as e:
+    except (ConfigError, WorkdirError, CheckpointError, FileExistsError, FileNotFoundError) as e:
         # The library's advice in the command line's words.
         return fail(_PROGRAM, ExitCode.USAGE, str(e).replace("overwrite=True", "--overwrite"))
     print(f"ocformer.export: wrote {path}", flush=True)

@@ -360,6 +360,30 @@ def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
     assert "version" not in str(caught.value)
 
 
+def test_a_resume_compares_the_architecture_the_run_took_from_its_source(
+    experiment, gpt2, tmp_path
+):
+    """The architecture of a run from ``model.init_from`` is its source's, which its
+    config.json does not hold: a resume that drops ``init_from`` lists every field
+    whose value the model would change (here the activation, the one field of the
+    same shapes that differs), and one that sets a field to the source's value is no
+    change."""
+    from ocformer.training import ConfigChanged, RunDirectory
+
+    run = tmp_path / "run"
+    _train(experiment, run, f"model.init_from={gpt2[0]}", "train.steps=1")
+    same_shapes = ["train.steps=1", "model.width=8", "model.hidden=32"]  # the source's
+    dropped = config(experiment, *same_shapes)
+    with pytest.raises(ConfigChanged) as e:
+        RunDirectory(run).check(dropped)
+    assert e.value.changes == {
+        "model.init_from": (gpt2[0], None),
+        "model.activation": ("gelu_tanh", "gelu"),
+    }
+    kept = config(experiment, f"model.init_from={gpt2[0]}", *same_shapes)
+    assert RunDirectory(run).check(kept) == {}
+
+
 def test_the_export_refuses_every_discretisation_but_the_layer_stack(experiment):
     """Each field that makes the solve other than the standard layer stack is named,
     the depth-parallel solve (an approximation of the serial one) included."""

@@ -465,6 +465,22 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
         == (again["splits"]["train"]["sha256"])
     )
     assert evaluate_cli.main([str(run)]) == ExitCode.OK
+    # Gone from its path: every reader of the run says which dataset to put back
+    # (exit 2), rather than advise preparing a new one there.
+    from ocformer import export as export_cli
+
+    data.rename(tmp_path / "moved")
+    capsys.readouterr()
+    gone = f"{run} was trained on the dataset directory at task.path {data.resolve()}"
+    put_back = f"put back the dataset the run trained on (SHA-256 prefixes: train.bin {now},"
+    for main, args in [
+        (cli.main, [*argv, "--set", "train.steps=2"]),
+        (evaluate_cli.main, [str(run)]),
+        (export_cli.main, [str(run), "--to", str(tmp_path / "hf")]),
+    ]:
+        code, err = main(args), capsys.readouterr().err
+        assert code == ExitCode.USAGE and gone in err and put_back in err, err
+        assert "Traceback" not in err and "Prepare a dataset" not in err
 
 
 def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monkeypatch):

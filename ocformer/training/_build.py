@@ -36,7 +36,7 @@ from ..tasks import TASKS, AbstractTextTask, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser, under_standard_promotion
-from ._rundir import RELATIVE_PATHS, RUN_MARKER, dataset_change, run_record
+from ._rundir import RELATIVE_PATHS, RUN_MARKER, dataset_change, dataset_missing, run_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +304,8 @@ def restore_run(
             f"{changed[1]}): it was prepared again since. Put back the dataset the run "
             "trained on to load the run"
         )
+    if (missing := dataset_missing(path, config)) is not None:
+        raise WorkdirError(missing)
     built: dict[str, Any] = {}
 
     def template_for(checkpoints: CheckpointManager, chosen: int):

@@ -30,7 +30,7 @@ from ..checkpointing import (
     atomic_write_text,
     remove_stale_temporaries,
 )
-from ..config import Config, ConfigError, as_recorded, to_dict
+from ..config import Config, ConfigError, as_recorded, is_set, to_dict
 from ..distributed import wait_timeout_s
 from ..tasks import dataset_identity
 from ._errors import DATASET_CHANGE, ConfigChanged, WorkdirError
@@ -90,6 +90,27 @@ def dataset_change(workdir: str, config: Config) -> tuple[str, str] | None:
         return "unreadable", _describe_dataset(current)
 
 
+def dataset_missing(workdir: str, config: Config) -> str | None:
+    """Why the run in ``workdir`` cannot be read with ``config``: the dataset directory
+    it recorded in its ``run.json`` is gone from that path (or holds no readable
+    manifest); None when it is there, or the run records none, or ``config`` names
+    another path (a new dataset is for ``prepare text``)."""
+    recorded = run_record(workdir, "dataset")
+    if run_dataset(config) is not None or not isinstance(recorded, dict):
+        return None
+    if config.task.name != "tokens" or recorded.get("path") != os.path.realpath(config.task.path):
+        return None
+    try:
+        files = f" (SHA-256 prefixes: {_describe_dataset(recorded)})"
+    except (KeyError, TypeError):
+        files = ""
+    return (
+        f"{workdir} was trained on the dataset directory at task.path {recorded['path']}, "
+        f"which holds no dataset now: put back the dataset the run trained on{files}, "
+        "or move the whole directory back to that path"
+    )
+
+
 def _flatten(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
@@ -104,7 +125,9 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 RELATIVE_PATHS = (("task", "path"), ("task", "data_dir"), ("model", "init_from"))
 
 
-def config_changes(stored: dict, config: Config, stored_cwd: str | None = None) -> dict[str, tuple]:
+def config_changes(
+    stored: dict, config: Config, stored_cwd: str | None = None, source: dict | None = None
+) -> dict[str, tuple]:
     """The dotted fields in which ``config`` differs from the stored configuration
     ``stored`` (as written to ``config.json``), each as ``(stored, new)``; a field that
     only ``stored`` has (one the schema no longer has) has ``None`` as its new value,
@@ -114,9 +137,25 @@ def config_changes(stored: dict, config: Config, stored_cwd: str | None = None) 
     names the same place is no change: the stored one taken relative to
     ``stored_cwd`` (where that run started; None: compared as written), the new one
     relative to this process's directory. ``stored`` is read as recorded
-    (``ocformer.config.as_recorded``): a field its version ignored is no change."""
+    (``ocformer.config.as_recorded``): a field its version ignored is no change.
+
+    The architecture fields compare as the models have them. A run that started from
+    ``model.init_from`` took them from its source, whose record in ``run.json``
+    (``source``, with its ``architecture``) gives the stored values; config.json holds
+    only what was set. A new configuration with ``model.init_from`` takes the fields it
+    leaves unset from its source, as the stored run did; one without takes its own, so
+    dropping ``init_from`` from a run of 4 heads lists ``model.num_heads: 4 -> 2`` (the
+    default) rather than letting the model change unseen."""
     new = _flatten(json.loads(json.dumps(to_dict(config))))
     old = {**_flatten(json.loads(json.dumps(to_dict(Config())))), **_flatten(as_recorded(stored))}
+    architecture = source.get("architecture") if isinstance(source, dict) else None
+    if old.get("model.init_from") is not None and isinstance(architecture, dict):
+        old.update({k: v for k, v in architecture.items() if k in old})
+        if config.model.init_from is not None:
+            for k in architecture:
+                section, name = k.split(".", 1)
+                if k in new and not is_set(getattr(config, section), name):
+                    new[k] = old[k]
     keys = [*new, *(k for k in old if k not in new)]  # every field of new is in old
     paths = {f"{section}.{name}" for section, name in RELATIVE_PATHS}
     return {
@@ -350,9 +389,16 @@ class RunDirectory:
                 ) from None
         if latest is None:
             return {}  # nothing to resume: the new run replaces an empty history
-        changes = config_changes(self.stored_config, config, run_record(self.path, "cwd"))
+        changes = config_changes(
+            self.stored_config,
+            config,
+            run_record(self.path, "cwd"),
+            run_record(self.path, "init_from"),
+        )
         if (changed := dataset_change(self.path, config)) is not None:
             changes[DATASET_CHANGE] = changed
+        if (missing := dataset_missing(self.path, config)) is not None:
+            raise WorkdirError(missing)
         if changes and not allow_config_change:
             raise ConfigChanged(self.path, changes)
         if config.train.steps < latest:
