@@ -8,6 +8,7 @@ reports through :func:`fail`. The module also holds what the commands know of
 processes: the parent a supervised child ends with, and whether a recorded process runs.
 """
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -109,10 +110,30 @@ def process_exists(pid: int) -> bool:
     return True
 
 
+_skip_shutdown = False
+
+
+def skip_shutdown() -> None:
+    """Have ``exit_with`` end the process without the interpreter's shutdown: for a
+    command whose work was cut short where native threads may still run (an interrupt
+    during XLA's compilation leaves its compiler threads working, and the shutdown
+    would free the runtime under them: a segmentation fault after the command's last
+    line). The command must have closed its files first; a library caller of ``main``
+    is unaffected."""
+    global _skip_shutdown
+    _skip_shutdown = True
+
+
 def exit_with(main: Callable[[], int]) -> NoReturn:
     """Exit with ``main()``'s code, as a ``python -m`` entry point: its output may go to
     a reader that stops reading early, and its supervisor, if any, may end before it
     (``end_with_parent``)."""
     end_with_parent()
     sys.stdout = _StdoutOfGoneReader(sys.stdout)
-    sys.exit(int(main()))
+    code = int(main())
+    if _skip_shutdown:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a reader that has gone
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -23,7 +23,7 @@ import types
 
 import jax
 
-from ._cli import exit_with, fail
+from ._cli import exit_with, fail, skip_shutdown
 from .checkpointing import CheckpointError, CheckpointManager
 from .config import ConfigError, apply_overrides, load_experiment
 from .distributed import DistributedError, initialize, lost_peer
@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         # orbax's background threads, finding their executor shut down, would log
         # tracebacks of it while the interpreter ends.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
+        # An interrupt during a compilation leaves XLA's compiler threads working; the
+        # run's files are closed, so the process ends without the interpreter's shutdown.
+        skip_shutdown()
         return fail(_PROGRAM, 130, f"interrupted; {_resume_point(args.workdir)}")
     return ExitCode.OK
 
