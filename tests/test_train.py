@@ -77,6 +77,19 @@ def test_every_experiment_runs_a_few_steps(path, tmp_path):
         train(resolve(source, overrides), str(tmp_path / "source"))
         overrides.append(f"model.init_from={tmp_path / 'source'}")
         tmp_path = tmp_path / "run"
+    if path.endswith("finetune.py"):
+        # It starts from a Hugging Face GPT-2 on a prepared corpus: a tiny random one
+        # (16 symbols and positions) and a corpus of 5 characters stand in.
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        gpt2 = GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=2, n_head=2)
+        GPT2LMHeadModel(gpt2).save_pretrained(tmp_path / "gpt2")
+        text = tmp_path / "corpus.txt"
+        text.write_text("abc ab\n" * 400, encoding="utf-8")
+        prepare_text([str(text)], "char", tmp_path / "data", progress=False)
+        overrides += [f"model.init_from={tmp_path / 'gpt2'}", f"task.path={tmp_path / 'data'}"]
+        overrides += ["task.seq_len=8", "train.sample_tokens=5"]
+        tmp_path = tmp_path / "run"
     config = resolve(path, overrides)
     summary = train(config, str(tmp_path))
     assert summary["step"] == 2 and summary["resumed_from"] is None
