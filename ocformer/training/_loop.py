@@ -390,8 +390,10 @@ def train(
             learning rate is announced.
 
     Returns:
-        A summary, also written to ``summary.json``: ``step``, ``loss`` (last training
-        loss), ``val_loss``, ``val_accuracy``, ``skipped_steps``, ``wall_time_s``,
+        A summary, also written to ``summary.json`` (but for a rerun of a finished
+        run, which keeps the summary of the run that did the steps): ``step``,
+        ``loss`` (last training loss), ``val_loss``, ``val_accuracy``,
+        ``skipped_steps``, ``wall_time_s``,
         ``time_s`` (``wall_time_s`` by part: ``setup``, ``step_compilation``,
         ``steps``, ``evaluation``, ``sampling``, ``checkpoints``), ``data_wait_fraction``
         (the share of the loop's wall time spent waiting for a batch),
@@ -438,7 +440,8 @@ def train(
             "workdir": run.path,
             **run.outputs(),
         }
-        run.finish(summary)
+        if loop.step != resumed_from:  # a rerun with nothing to do keeps the summary
+            run.finish(summary)
     if is_primary():
         _print_summary(summary)
         if loop.skipped:

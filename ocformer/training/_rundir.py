@@ -481,9 +481,11 @@ class RunDirectory:
             )
         self._record(config, argv, step, changes or {}, init_from)
         self._continue_logs(config, step)
-        # The summary describes a run that finished: this one has not yet.
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.summary_path)
+        # The summary describes a run that finished: this one has not yet (unless it
+        # had, and has nothing left to do: its summary stands).
+        if step is None or step < config.train.steps:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.summary_path)
         return step, restored
 
     def _restore(self, template):
@@ -729,7 +731,8 @@ class RunDirectory:
 
     def finish(self, summary: dict) -> None:
         """Write the summary of the run that ends (``summary.json``, replacing an
-        earlier segment's; process 0 only)."""
+        earlier segment's; process 0 only). ``train`` writes none for a rerun of a
+        finished run, which has nothing left to do: the finished run's stands."""
         if not self.primary:
             return
         atomic_write_text(self.summary_path, json.dumps(summary, indent=2, default=float))
