@@ -27,10 +27,10 @@ from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import to_pretrained
+from .tasks import TOKENIZER_FILE
 from .training import ExitCode, WorkdirError, enable_x64_for_run, load_run, run_record
 
 _PROGRAM = "ocformer.export"
-TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # The fields that make a run the standard layer stack (the values to_layers reads).
 _STANDARD = (

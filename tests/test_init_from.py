@@ -527,6 +527,42 @@ def test_a_float32_run_from_a_float64_run_is_rebuilt_without_being_told(experime
         assert done.returncode == 0 and said in done.stdout, done.stderr[-2000:]
 
 
+def test_a_corpus_of_another_tokenizer_than_the_starts_is_warned_of(
+    experiment, gpt2, tmp_path, capsys
+):
+    """A fine-tune on a dataset prepared with another tokenizer than the checkpoint
+    directory's ``tokenizer.json`` (or than the one a source run trained on) trains,
+    with a warning naming both; a corpus prepared with the checkpoint's own tokenizer
+    (``--tokenizer DIR``) gets none."""
+    from ocformer.tasks import prepare_text
+
+    source = tmp_path / "gpt2"
+    shutil.copytree(gpt2[0], source)
+    (tmp_path / "own.txt").write_text("abcdefgh " * 40, encoding="utf-8")
+    prepare_text([str(tmp_path / "own.txt")], "char", tmp_path / "own", progress=False)
+    shutil.copy(tmp_path / "own" / "tokenizer.json", source / "tokenizer.json")
+    (tmp_path / "other.txt").write_text("dcba " * 80, encoding="utf-8")  # fewer symbols
+    prepare_text([str(tmp_path / "other.txt")], "char", tmp_path / "other", progress=False)
+    prepare_text([str(tmp_path / "other.txt")], str(source), tmp_path / "same", progress=False)
+    warned = "was prepared with another tokenizer"
+    runs, errs = {}, {}
+    for data in ("other", "same"):
+        runs[data] = tmp_path / f"run_{data}"
+        capsys.readouterr()
+        _train(experiment, runs[data], f"model.init_from={source}", "task.name=tokens",
+               f"task.path={tmp_path / data}", "train.steps=1")  # fmt: skip
+        errs[data] = capsys.readouterr().err
+    assert warned in errs["other"] and warned not in errs["same"], errs
+    assert f"than the start's ({source / 'tokenizer.json'}: " in errs["other"]
+    assert f"prepare the corpus with --tokenizer {source}" in errs["other"]
+    # From a run: its dataset's tokenizer is the start's.
+    capsys.readouterr()
+    _train(experiment, tmp_path / "chain", f"model.init_from={runs['same']}",
+           "task.name=tokens", f"task.path={tmp_path / 'other'}", "train.steps=1")  # fmt: skip
+    err = capsys.readouterr().err
+    assert warned in err and f"the dataset that {runs['same']} trained on" in err, err
+
+
 def test_an_exported_tokenizer_is_read_by_autotokenizer_as_the_task_reads_it(
     experiment, gpt2, tmp_path
 ):

@@ -688,7 +688,7 @@ def test_a_non_finite_evaluation_is_refused_with_exit_code_4(monkeypatch):
     ("key", "words"),
     [
         ("model.widht", "unknown field model.widht; did you mean model.width?"),
-        ("steps_per_layer", "a field is given with its section: discretisation.steps_per_layer"),
+        ("steps_per_layer", "give the field with its section: discretisation.steps_per_layer"),
         ("discretisaton.rtol", "unknown section discretisaton; did you mean discretisation?"),
         ("model.width", "model.width changes the trained problem itself"),
     ],

@@ -69,7 +69,7 @@ def check_discretisation_field(key: str) -> None:
         defaults = to_dict(Config())
         for section in DISCRETISATION_SECTIONS:
             if key in defaults[section]:  # a field of the section, given without it
-                raise ConfigError(key, f"a field is given with its section: {section}.{key}")
+                raise ConfigError(key, f"give the field with its section: {section}.{key}")
         check_keys(key)  # an unknown section or field, with the nearest one
         raise ConfigError(
             key,

@@ -25,4 +25,5 @@ from ._text import (
     PythonStdlibChar as PythonStdlibChar,
     ShakespeareChar as ShakespeareChar,
 )
+from ._tokenizer import TOKENIZER_FILE as TOKENIZER_FILE
 from ._tokens import Tokens as Tokens

@@ -136,7 +136,7 @@ class Preempted(TrainingError):
         where = f"checkpoint {checkpoint}" if checkpoint else "no new checkpoint"
         super().__init__(
             step,
-            f"preempted (SIGTERM or SIGUSR2) after step {step}; wrote {where}. Re-run the same "
+            f"stopped by SIGTERM or SIGUSR2 after step {step}; wrote {where}. Re-run the same "
             "command to resume.",
         )
 

@@ -35,7 +35,8 @@ from ..models import (
     reformulate,
 )
 from ..operators import ConvAttention
-from ._rundir import RUN_MARKER
+from ..tasks import TOKENIZER_FILE, Tokens
+from ._rundir import RUN_MARKER, run_record
 
 FIELD = "model.init_from"
 
@@ -224,9 +225,9 @@ def check_task(config: Config, task, model: SequenceModel, source: Source) -> No
         ):
             raise ConfigError(
                 FIELD,
-                f"{source.path} is not a causal language model (a token embedding, causal "
-                f"attention and per-token logits: {_kind(model)}), and task "
-                f"{config.task.name!r} is language modelling; start from a GPT-2 "
+                f"{source.path} is not a causal language model: it has {_kind(model)}, "
+                f"where task {config.task.name!r} (language modelling) needs a token "
+                "embedding, causal attention and per-token logits; start from a GPT-2 "
                 "checkpoint or a language-model run",
             )
         if task.seq_len > embedding.seq_len:
@@ -248,8 +249,9 @@ def check_task(config: Config, task, model: SequenceModel, source: Source) -> No
     if not isinstance(embedding, PatchEmbedding) or model.head is None or model.head.per_token:
         raise ConfigError(
             FIELD,
-            f"{source.path} is not an image classifier (patch embedding and class-token "
-            f"head: {_kind(model)}), and task {config.task.name!r} classifies images",
+            f"{source.path} is not an image classifier: it has {_kind(model)}, where task "
+            f"{config.task.name!r} (image classification) needs a patch embedding and a "
+            "class-token head",
         )
     example = task.batch("train", 0, 1, config.train.seed)["inputs"]
     shape = tuple(example.shape[1:])
@@ -286,6 +288,34 @@ def _readout_size(model: SequenceModel) -> int:
     if isinstance(model.head, (Readout, Pooler)):
         return int(model.head.weight.shape[-1])
     return 0
+
+
+def tokenizer_mismatch(task, source: Source) -> str | None:
+    """Why ``task``'s ids may not mean what the source model learned: it reads a
+    dataset prepared with another tokenizer than the source's (the ``tokenizer.json``
+    of a Hugging Face directory, or the dataset tokenizer a source run recorded). None
+    when they agree, or either is unknown. Not a refusal: a checkpoint may be trained
+    on on purpose with other symbols, whose embedding rows it then reassigns."""
+    if not isinstance(task, Tokens):
+        return None
+    if source.kind == "checkpoint":
+        file = os.path.join(source.path, TOKENIZER_FILE)
+        theirs = _sha256(file) if os.path.isfile(file) else None
+        where = file
+    else:
+        recorded = run_record(source.path, "dataset")
+        theirs = recorded.get("tokenizer_sha256") if isinstance(recorded, dict) else None
+        where = f"the dataset that {source.path} trained on"
+    ours = task.dataset.manifest["tokenizer"]["sha256"]
+    if theirs is None or theirs == ours:
+        return None
+    return (
+        f"the dataset at task.path {task.dataset.path} was prepared with another tokenizer "
+        f"(tokenizer.json SHA-256 {ours[:12]}) than the start's ({where}: {theirs[:12]}), "
+        "so its ids name other symbols than the model learned. To fine-tune on the "
+        "model's own symbols, prepare the corpus with --tokenizer "
+        f"{source.path if source.kind == 'checkpoint' else 'that tokenizer.json'}"
+    )
 
 
 def _kind(model: SequenceModel) -> str:
