@@ -86,8 +86,9 @@ def export(
             next(iter(differ)),
             f"the run in {workdir} is discretised otherwise than the standard layer "
             f"stack: {listed}. Only the standard discretisation is a Transformer that "
-            "the Hugging Face libraries can run; fine-tune with the standard "
-            "discretisation to export, or evaluate this run with python -m ocformer.evaluate",
+            "the Hugging Face libraries can run. To export, fine-tune it on: a new run "
+            f"with --set model.init_from={workdir} in the standard discretisation, "
+            "whose export this is; or evaluate this run with python -m ocformer.evaluate",
         )
     if model.source_config is None:  # type: ignore[attr-defined]
         raise ConfigError(

@@ -414,6 +414,10 @@ def test_strang_rediscretisation_trains_and_is_not_exported(experiment, gpt2, tm
     assert "discretisation.stepper='strang'" in err and "discretisation.steps_per_layer=2" in err
     assert "only the standard discretisation" in err.lower()
     assert not os.path.exists(tmp_path / "out")
+    # What the refusal advises: a run from this one, in the standard discretisation.
+    assert f"a new run with --set model.init_from={run} in the standard discretisation" in err
+    _train(experiment, tmp_path / "from_strang", f"model.init_from={run}", "train.steps=1")
+    assert export_cli.main([str(tmp_path / "from_strang"), "--to", str(tmp_path / "std")]) == 0
     # Continued in the standard discretisation: each checkpoint keeps the one that
     # trained it, so step 1 is still refused (and loads as Strang), step 2 exported.
     sets = [*QUIET, f"model.init_from={gpt2[0]}", "train.steps=2"]
