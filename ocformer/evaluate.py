@@ -1,10 +1,17 @@
-"""Command line: ``python -m ocformer.evaluate WORKDIR [--set field=value ...] [--json FILE]``.
+"""Command line: ``python -m ocformer.evaluate WORKDIR [--set field=value ...] [--json FILE]``
+or ``python -m ocformer.evaluate --config EXPERIMENT [--set field=value ...] [--json FILE]``.
 
 Evaluates the trained model of a ``python -m ocformer.train`` work directory on its
 task's validation split, under its own discretisation or under another one given by
 ``--set`` (discretisation fields only: the trained controls are kept, the time stepper,
 step count and tolerances change). A thin wrapper over
 ``ocformer.evaluation.evaluate_run``.
+
+With ``--config`` instead of a work directory it evaluates the model that
+``python -m ocformer.train`` with the same configuration starts from, before its first
+update (``ocformer.evaluation.evaluate_start``): a pretrained checkpoint
+(``model.init_from``) in any discretisation, or the seeded initialisation. ``--set``
+then takes any field, as for training.
 
 Exit codes as ``ocformer.train``: 0 done, 2 bad input (not a run directory, a field
 that is not a discretisation field, an invalid value, no checkpoint), 3 solver failure,
@@ -15,11 +22,13 @@ a failed solve ends so too).
 import argparse
 import json
 
+import jax
+
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError, atomic_write_text, output_problem
-from .config import ConfigError
-from .evaluation import evaluate_run
-from .training import ExitCode, TrainingError, WorkdirError
+from .config import ConfigError, resolve
+from .evaluation import evaluate_run, evaluate_start
+from .training import ExitCode, TrainingError, WorkdirError, start_needs_x64
 
 _PROGRAM = "ocformer.evaluate"
 
@@ -29,7 +38,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m ocformer.evaluate",
         description="Evaluate a trained run on its validation split, under any discretisation.",
     )
-    p.add_argument("workdir", metavar="WORKDIR", help="work directory of a training run")
+    p.add_argument("workdir", metavar="WORKDIR", nargs="?", help="work directory of a training run")
+    p.add_argument(
+        "--config",
+        metavar="EXPERIMENT",
+        help=(
+            "instead of WORKDIR: evaluate the model a run of this experiment (file.py or "
+            "file.py:arg) starts from, before any update (e.g. with "
+            "--set model.init_from=DIR)"
+        ),
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -38,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECTION.FIELD=VALUE",
         help=(
             "change one discretisation field (repeatable), e.g. "
-            "--set discretisation.steps_per_layer=4"
+            "--set discretisation.steps_per_layer=4; with --config, any field"
         ),
     )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -49,10 +67,27 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
+    if (args.workdir is None) == (args.config is None):
+        return fail(_PROGRAM, ExitCode.USAGE, "give a work directory or --config EXPERIMENT")
+    if args.config is not None and args.step is not None:
+        return fail(
+            _PROGRAM,
+            ExitCode.USAGE,
+            "--step selects a checkpoint of a work directory; --config evaluates a run's "
+            "start (step 0): drop --step, or give the run's work directory",
+        )
     if args.json is not None and (problem := output_problem(args.json, "--json")):
         return fail(_PROGRAM, ExitCode.USAGE, problem)  # before anything is evaluated
     try:
-        result = evaluate_run(args.workdir, args.overrides, args.step)
+        if args.config is not None:
+            config = resolve(args.config, args.overrides)
+            if config.model.dtype == "float64" or start_needs_x64(config.model.init_from):
+                jax.config.update("jax_enable_x64", True)
+            result = evaluate_start(config)
+            what = f"the start of {args.config} at step 0"
+        else:
+            result = evaluate_run(args.workdir, args.overrides, args.step)
+            what = f"{args.workdir} at step {result['step']}"
     except (ConfigError, CheckpointError, WorkdirError, FileNotFoundError) as e:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     except TrainingError as e:
@@ -60,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2)
     if args.json:
         atomic_write_text(args.json, text + "\n")
-    changed = ", ".join(args.overrides) or "as trained"
+    changed = ", ".join(args.overrides) or ("as configured" if args.config else "as trained")
     acc = result.get("val_accuracy")
     print(
-        f"ocformer: evaluated {args.workdir} at step {result['step']} ({changed}): "
+        f"ocformer: evaluated {what} ({changed}): "
         f"val loss {result['val_loss']:.4f}"
         + ("" if acc is None else f"   val accuracy {acc:.3f}")
         + ("" if result["nfe"] is None else f"   NFE {result['nfe']}")

@@ -438,6 +438,42 @@ def test_strang_rediscretisation_trains_and_is_not_exported(experiment, gpt2, tm
     assert at_1["discretisation"]["discretisation.steps_per_layer"] == 2
 
 
+def test_evaluate_config_reports_the_start_in_any_discretisation(
+    experiment, gpt2, tmp_path, capsys
+):
+    """``ocformer.evaluate --config`` evaluates the model a run starts from, before any
+    update: the checkpoint's loss (as ``transformers`` computes it, float64) under the
+    layer stack, and its loss under Strang at two steps per layer, which differs; it
+    trains and writes nothing but its --json file."""
+    from ocformer import evaluate as evaluate_cli
+
+    jax.config.update("jax_enable_x64", True)
+    start = [f"model.init_from={gpt2[0]}", "model.dtype=float64"]
+    out = {}
+    for name, sets in [
+        ("lie", start),
+        ("strang", [*start, "discretisation.stepper=strang", "discretisation.steps_per_layer=2"]),
+    ]:
+        argv = ["--config", experiment, "--json", str(tmp_path / f"{name}.json")]
+        assert evaluate_cli.main([*argv, *(a for s in sets for a in ("--set", s))]) == 0
+        out[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert out[name]["step"] == 0
+    said = capsys.readouterr().out
+    assert f"ocformer: evaluated the start of {experiment} at step 0" in said
+    c = config(experiment, *start)
+    task = build(c).task
+    batches = list(task.eval_batches(c.task.eval_batch_size, c.task.eval_batches, c.train.seed))
+    losses = [hf_loss(gpt2[1], b["inputs"], b["targets"]) for b in batches]
+    assert abs(out["lie"]["val_loss"] - float(np.mean(losses))) < 1e-12
+    assert abs(out["strang"]["val_loss"] - out["lie"]["val_loss"]) > 1e-3
+    assert out["strang"]["discretisation"]["discretisation.stepper"] == "strang"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lie.json", "strang.json"]
+    assert evaluate_cli.main(["--config", experiment, "--step", "1"]) == 2
+    assert evaluate_cli.main([str(tmp_path), "--config", experiment]) == 2
+    err = capsys.readouterr().err
+    assert "drop --step" in err and "give a work directory or --config EXPERIMENT" in err
+
+
 def test_evaluate_reports_the_step_it_loaded(experiment, tmp_path, monkeypatch):
     """The step an evaluation reports is that of the checkpoint it read, even when a
     newer one is committed meanwhile (a run still training)."""

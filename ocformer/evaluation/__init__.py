@@ -7,6 +7,7 @@ from ._evaluate import (
     discretisation_of as discretisation_of,
     evaluate as evaluate,
     evaluate_run as evaluate_run,
+    evaluate_start as evaluate_start,
     evaluation_config as evaluation_config,
     evaluations_per_step as evaluations_per_step,
     solver_stats as solver_stats,

@@ -254,6 +254,26 @@ def evaluate(config: Config, model, task=None) -> dict:
     return out
 
 
+def evaluate_start(config: Config) -> dict:
+    """Evaluate the model a run of ``config`` starts from, before its first update: the
+    source of ``model.init_from`` posed in ``config``'s discretisation (a pretrained
+    checkpoint's loss under Strang at two steps per layer, say), or the seeded
+    initialisation. Nothing is trained or written.
+
+    Returns:
+        ``evaluate``'s metrics plus ``step`` (0) and ``discretisation`` (every
+        discretisation field used).
+
+    Raises:
+        ConfigError: an invalid configuration or start.
+        SolverFailure, NonFiniteEvaluation: as ``evaluate``.
+    """
+    validate(config)
+    exp = build(config, record_source=False)
+    metrics = evaluate(config, exp.model, exp.task)
+    return {"step": 0, "discretisation": discretisation_of(config), **metrics}
+
+
 def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None = None) -> dict:
     """Evaluate the trained run in ``workdir`` under its discretisation changed by
     ``overrides`` (``"section.field=value"``, discretisation fields only). A trained
