@@ -98,7 +98,12 @@ def dataset_missing(workdir: str, config: Config) -> str | None:
     recorded = run_record(workdir, "dataset")
     if run_dataset(config) is not None or not isinstance(recorded, dict):
         return None
-    if config.task.name != "tokens" or recorded.get("path") != os.path.realpath(config.task.path):
+    path = config.task.path
+    if (
+        config.task.name != "tokens"
+        or path is None
+        or recorded.get("path") != os.path.realpath(path)
+    ):
         return None
     try:
         files = f" (SHA-256 prefixes: {_describe_dataset(recorded)})"
