@@ -9,16 +9,20 @@ set -uo pipefail
 out="${OUT:-benchmarks/gpu/$(date +%Y-%m-%d)}"
 mkdir -p "$out"
 py="${PYTHON:-$(command -v python || command -v python3)}"
-# Files are named by the card (h200_..., h100_...), from nvidia-smi's name of GPU 0.
+# Files are named by the card (h200_..., h100_...): the model in nvidia-smi's name of
+# GPU 0 ("NVIDIA H100 80GB HBM3" -> h100).
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |
-       awk '{print tolower($NF)}')
+       grep -oiE '\b[A-Z]+[0-9]{2,4}[A-Z]?\b' | head -n 1 | tr '[:upper:]' '[:lower:]')
 card="${card:-gpu}"
 read -r -a extra <<< "${EXTRA:-}"
 failed=()
 # A run that fails (a compilation error, memory) is reported and the next one still runs.
 run() {
     local json="${*: -1}"
-    "$py" -m benchmarks.gpu "${extra[@]}" "$@" || failed+=("$(basename "$json"): exit $?")
+    "$py" -m benchmarks.gpu "${extra[@]}" "$@" || {
+        local rc=$?
+        failed+=("$(basename "$json"): exit $rc")
+    }
 }
 # The MFU target: batch 32, cuDNN attention; the default gradient, stored_projections
 # (the fastest stored gradient on the CPU) and stored.

@@ -11,8 +11,8 @@ writes, and a corpus prepared with that checkpoint's own tokenizer):
         --set discretisation.stepper=strang --set discretisation.steps_per_layer=2
     python -m ocformer.export runs/ft --to gpt2-ft/   # the layer stack's discretisation only
 
-The model section sets nothing but the dtype: the checkpoint fixes the architecture
-(docs/pretrained.md), and a field set otherwise is refused. Every discretisation field
+The model section sets nothing but the dtype and the start: the checkpoint fixes the
+architecture (docs/pretrained.md), and a field set otherwise is refused. Every discretisation field
 stays free. The defaults (``model.init_from=gpt2``, ``task.path=data/mine``) are the
 paths above, relative to the directory the run starts in. AdamW at a fine-tuning rate,
 3e-5 after 100 warmup steps, cosine decay over 2000 steps of 8 windows of 256 tokens,
@@ -21,7 +21,8 @@ with its decay on the weight matrices only (``optimiser.weight_decay_on=matrices
 Expected: under the default discretisation (Lie, one step per layer) the model before
 the first update is the checkpoint's, and its loss is that of ``transformers`` on the
 same windows (``pytest tests/test_init_from.py -k reproduces`` checks it to 1e-12 in
-float64); another discretisation starts from the same controls on another grid. No
+float64), and ``python -m ocformer.evaluate --config experiments/finetune.py --set ...``
+reports that start's loss under any discretisation without training. No
 result is recorded here: the checkpoint and the corpus are the user's and neither
 ships with the project.
 """

@@ -22,13 +22,11 @@ a failed solve ends so too).
 import argparse
 import json
 
-import jax
-
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError, atomic_write_text, output_problem
 from .config import ConfigError, resolve
 from .evaluation import evaluate_run, evaluate_start
-from .training import ExitCode, TrainingError, WorkdirError, start_needs_x64
+from .training import ExitCode, TrainingError, WorkdirError, enable_x64_for_config
 
 _PROGRAM = "ocformer.evaluate"
 
@@ -81,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.config is not None:
             config = resolve(args.config, args.overrides)
-            if config.model.dtype == "float64" or start_needs_x64(config.model.init_from):
-                jax.config.update("jax_enable_x64", True)
+            enable_x64_for_config(config)
             result = evaluate_start(config)
             what = f"the start of {args.config} at step 0"
         else:

@@ -35,9 +35,9 @@ from .training import (
     TrainingError,
     WorkdirError,
     enable_compile_cache,
+    enable_x64_for_config,
     exit_at_once,
     exit_on_second_interrupt,
-    start_needs_x64,
     train as _train,
 )
 
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         config = apply_overrides(load_experiment(args.config), args.overrides)
     except ConfigError as e:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
-    if config.model.dtype == "float64" or start_needs_x64(config.model.init_from):
-        jax.config.update("jax_enable_x64", True)
+    enable_x64_for_config(config)
     if args.no_compile_cache:
         os.environ[COMPILE_CACHE_ENV] = "off"  # also for train(), which enables it
     enable_compile_cache()  # before anything is compiled

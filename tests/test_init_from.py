@@ -595,6 +595,14 @@ def test_a_corpus_of_another_tokenizer_than_the_starts_is_warned_of(
     assert warned in errs["other"] and warned not in errs["same"], errs
     assert f"than the start's ({source / 'tokenizer.json'}: " in errs["other"]
     assert f"prepare the corpus with --tokenizer {source}" in errs["other"]
+    # So does the evaluation of such a start.
+    from ocformer import evaluate as evaluate_cli
+
+    sets = [f"model.init_from={source}", "task.name=tokens", f"task.path={tmp_path / 'other'}"]
+    assert (
+        evaluate_cli.main(["--config", experiment, *(a for s in sets for a in ("--set", s))]) == 0
+    )
+    assert warned in capsys.readouterr().err
     # From a run: its dataset's tokenizer is the start's.
     capsys.readouterr()
     _train(experiment, tmp_path / "chain", f"model.init_from={runs['same']}",

@@ -702,11 +702,16 @@ def test_summary_json_is_the_last_finished_run_and_where_its_time_went(
         assert parts[part] > 0, (part, parts)
     total = sum(parts.values())
     assert 0.9 * summary["wall_time_s"] < total <= summary["wall_time_s"], parts
-    # A rerun of the finished run has nothing to do, and its summary stands.
+    # A rerun of the finished run has nothing to do, and its summary stands; a run
+    # stopped after its last step (no summary yet) gets one from its rerun.
     workdir = copy_of(reference, tmp_path)
     written = (workdir / "summary.json").read_bytes()
     assert cli.main(argv(workdir)) == ExitCode.OK
     assert (workdir / "summary.json").read_bytes() == written
+    os.remove(workdir / "summary.json")
+    assert cli.main(argv(workdir)) == ExitCode.OK
+    assert json.loads((workdir / "summary.json").read_text())["resumed_from"] == STEPS
+    shutil.rmtree(workdir)
     monkeypatch.setattr(_loop, "make_train_step", nan_at_update(1))
     code = cli.main(argv(workdir, "train.steps=14", flags=["--allow-config-change"]))
     assert code == ExitCode.NON_FINITE

@@ -9,6 +9,7 @@ controls, readout) and rebuilds everything else from the changed configuration.
 
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Sequence
 
@@ -36,6 +37,7 @@ from ..training import (
     enable_x64_for_run,
     load_run_at,
     make_eval_step,
+    tokenizer_mismatch,
     validation_metrics,
     with_precision,
 )
@@ -270,6 +272,8 @@ def evaluate_start(config: Config) -> dict:
     """
     validate(config)
     exp = build(config, record_source=False)
+    if (mismatch := tokenizer_mismatch(config, exp.task)) is not None:
+        print(f"ocformer: warning: {mismatch}", file=sys.stderr, flush=True)
     metrics = evaluate(config, exp.model, exp.task)
     return {"step": 0, "discretisation": discretisation_of(config), **metrics}
 

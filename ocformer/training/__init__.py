@@ -20,9 +20,11 @@ from ._errors import (
     WorkdirError as WorkdirError,
 )
 from ._init_from import (
+    enable_x64_for_config as enable_x64_for_config,
     enable_x64_for_run as enable_x64_for_run,
     run_needs_x64 as run_needs_x64,
     start_needs_x64 as start_needs_x64,
+    tokenizer_mismatch as tokenizer_mismatch,
 )
 from ._load_run import load_run as load_run, load_run_at as load_run_at
 from ._lock import LOCK_FILE as LOCK_FILE, DirectoryLock as DirectoryLock

@@ -5,7 +5,6 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 from typing import Any, cast
 
 import equinox as eqx
@@ -260,8 +259,6 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
         ]
     _init_from.check_architecture(config, source, _init_from.architecture(model))
     _init_from.check_task(config, task, model, source)
-    if record and (mismatch := _init_from.tokenizer_mismatch(task, source)) is not None:
-        print(f"ocformer: warning: {mismatch}", file=sys.stderr, flush=True)
     model = _init_from.adapt(model, config, build_discretisation(config))
     return model, _init_from.record(source, step, files, model) if record else None
 

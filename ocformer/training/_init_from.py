@@ -134,6 +134,14 @@ def enable_x64_for_run(workdir: str | os.PathLike) -> None:
         jax.config.update("jax_enable_x64", True)
 
 
+def enable_x64_for_config(config: Config) -> None:
+    """Turn on 64-bit JAX when a run of ``config`` needs it (a float64 model, or a
+    start whose run does: ``start_needs_x64``), before anything is built: what
+    ``ocformer.train`` and ``ocformer.evaluate --config`` do."""
+    if config.model.dtype == "float64" or start_needs_x64(config.model.init_from):
+        jax.config.update("jax_enable_x64", True)
+
+
 def read_checkpoint(source: Source, dtype) -> SequenceModel:
     """The model of a Hugging Face checkpoint; its refusals become ``ConfigError``."""
     try:
@@ -290,14 +298,17 @@ def _readout_size(model: SequenceModel) -> int:
     return 0
 
 
-def tokenizer_mismatch(task, source: Source) -> str | None:
-    """Why ``task``'s ids may not mean what the source model learned: it reads a
-    dataset prepared with another tokenizer than the source's (the ``tokenizer.json``
-    of a Hugging Face directory, or the dataset tokenizer a source run recorded). None
-    when they agree, or either is unknown. Not a refusal: a checkpoint may be trained
-    on on purpose with other symbols, whose embedding rows it then reassigns."""
-    if not isinstance(task, Tokens):
+def tokenizer_mismatch(config: Config, task) -> str | None:
+    """Why ``task``'s ids may not mean what the start of ``config``
+    (``model.init_from``) learned: it reads a dataset prepared with another tokenizer
+    than the source's (the ``tokenizer.json`` of a Hugging Face directory, or the
+    dataset tokenizer a source run recorded). None when they agree, either is unknown,
+    or there is no start. Not a refusal: a checkpoint may be trained on other symbols
+    on purpose, its embedding rows then taking new meanings. ``ocformer.train`` (on a
+    fresh start) and ``ocformer.evaluate --config`` warn with it."""
+    if config.model.init_from is None or not isinstance(task, Tokens):
         return None
+    source = parse_source(config.model.init_from)
     if source.kind == "checkpoint":
         file = os.path.join(source.path, TOKENIZER_FILE)
         theirs = _sha256(file) if os.path.isfile(file) else None

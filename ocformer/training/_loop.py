@@ -50,6 +50,7 @@ from ..tasks import AbstractTask, AbstractTextTask
 from ._build import Experiment, build, build_from_own_checkpoint
 from ._depth_fallback import DepthFallback, carry_state
 from ._errors import NonFiniteError, Preempted, SolverFailure
+from ._init_from import tokenizer_mismatch
 from ._optimiser import make_schedule, with_schedule
 from ._preempt import PreemptionGuard
 from ._rundir import RunDirectory
@@ -390,8 +391,8 @@ def train(
             learning rate is announced.
 
     Returns:
-        A summary, also written to ``summary.json`` (but for a rerun of a finished
-        run, which keeps the summary of the run that did the steps): ``step``,
+        A summary, also written to ``summary.json`` (a rerun of a finished run keeps
+        the summary of the run that did the steps): ``step``,
         ``loss`` (last training loss), ``val_loss``, ``val_accuracy``,
         ``skipped_steps``, ``wall_time_s``,
         ``time_s`` (``wall_time_s`` by part: ``setup``, ``step_compilation``,
@@ -440,8 +441,7 @@ def train(
             "workdir": run.path,
             **run.outputs(),
         }
-        if loop.step != resumed_from:  # a rerun with nothing to do keeps the summary
-            run.finish(summary)
+        run.finish(summary)
     if is_primary():
         _print_summary(summary)
         if loop.skipped:
@@ -463,7 +463,10 @@ def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
     record of its source over)."""
     if run.resumable():
         return build_from_own_checkpoint(config, run.path, mesh=layout.mesh)
-    return build(config, mesh=layout.mesh)
+    exp = build(config, mesh=layout.mesh)
+    if is_primary() and (mismatch := tokenizer_mismatch(config, exp.task)) is not None:
+        print(f"ocformer: warning: {mismatch}", file=sys.stderr, flush=True)
+    return exp
 
 
 def _start(exp: Experiment, config: Config, run: RunDirectory, layout: Layout, changes, argv):

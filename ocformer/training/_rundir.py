@@ -94,7 +94,8 @@ def dataset_missing(workdir: str, config: Config) -> str | None:
     """Why the run in ``workdir`` cannot be read with ``config``: the dataset directory
     it recorded in its ``run.json`` is gone from that path (or holds no readable
     manifest); None when it is there, or the run records none, or ``config`` names
-    another path (a new dataset is for ``prepare text``)."""
+    another path (a run that goes on with other data: that is a configuration
+    change, and a missing path there is the task's own error)."""
     recorded = run_record(workdir, "dataset")
     if run_dataset(config) is not None or not isinstance(recorded, dict):
         return None
@@ -111,8 +112,9 @@ def dataset_missing(workdir: str, config: Config) -> str | None:
         files = ""
     return (
         f"{workdir} was trained on the dataset directory at task.path {recorded['path']}, "
-        f"which holds no dataset now: put back the dataset the run trained on{files}, "
-        "or move the whole directory back to that path"
+        f"which holds no dataset now: put back the dataset the run trained on{files}; "
+        "or, to train on with another dataset, resume with its task.path and "
+        "--allow-config-change"
     )
 
 
@@ -147,16 +149,20 @@ def config_changes(
     The architecture fields compare as the models have them. A run that started from
     ``model.init_from`` took them from its source, whose record in ``run.json``
     (``source``, with its ``architecture``) gives the stored values; config.json holds
-    only what was set. A new configuration with ``model.init_from`` takes the fields it
-    leaves unset from its source, as the stored run did; one without takes its own, so
-    dropping ``init_from`` from a run of 4 heads lists ``model.num_heads: 4 -> 2`` (the
-    default) rather than letting the model change unseen."""
+    only what was set. A new configuration that starts from the same source takes the
+    fields it leaves unset from it, as the stored run did; one without ``init_from``
+    takes its own, so dropping ``init_from`` from a run of 4 heads lists
+    ``model.num_heads: 4 -> 2`` (the default) rather than letting the model change
+    unseen. (Another source is listed as a change of ``model.init_from``; its
+    architecture is not read here.)"""
     new = _flatten(json.loads(json.dumps(to_dict(config))))
     old = {**_flatten(json.loads(json.dumps(to_dict(Config())))), **_flatten(as_recorded(stored))}
     architecture = source.get("architecture") if isinstance(source, dict) else None
-    if old.get("model.init_from") is not None and isinstance(architecture, dict):
+    started = old.get("model.init_from")
+    if started is not None and isinstance(architecture, dict):
         old.update({k: v for k, v in architecture.items() if k in old})
-        if config.model.init_from is not None:
+        again = new.get("model.init_from")
+        if again == started or _same_place(started, again, stored_cwd):
             for k in architecture:
                 section, name = k.split(".", 1)
                 if k in new and not is_set(getattr(config, section), name):
@@ -289,6 +295,7 @@ class RunDirectory:
         self.config_path = os.path.join(self.path, "config.json")
         self.history_path = os.path.join(self.path, "config_history.jsonl")
         self.summary_path = os.path.join(self.path, "summary.json")
+        self._keep_summary = False  # set by start: a rerun of a finished run
         self.samples_path = os.path.join(self.path, "samples.txt")
         self.tb_path = os.path.join(self.path, "tb")
         self.metrics = MetricsLog(os.path.join(self.path, "metrics.jsonl"))
@@ -486,9 +493,13 @@ class RunDirectory:
             )
         self._record(config, argv, step, changes or {}, init_from)
         self._continue_logs(config, step)
-        # The summary describes a run that finished: this one has not yet (unless it
-        # had, and has nothing left to do: its summary stands).
-        if step is None or step < config.train.steps:
+        # The summary describes a run that finished: this one has not yet. A rerun of a
+        # finished run has nothing left to do, and the summary of the run that did the
+        # steps stands (one stopped after its last step has none yet: it is written).
+        self._keep_summary = (
+            step is not None and step >= config.train.steps and os.path.exists(self.summary_path)
+        )
+        if not self._keep_summary:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.summary_path)
         return step, restored
@@ -736,9 +747,9 @@ class RunDirectory:
 
     def finish(self, summary: dict) -> None:
         """Write the summary of the run that ends (``summary.json``, replacing an
-        earlier segment's; process 0 only). ``train`` writes none for a rerun of a
-        finished run, which has nothing left to do: the finished run's stands."""
-        if not self.primary:
+        earlier segment's; process 0 only). A rerun of a finished run, which had
+        nothing left to do, keeps the summary of the run that did the steps."""
+        if not self.primary or self._keep_summary:
             return
         atomic_write_text(self.summary_path, json.dumps(summary, indent=2, default=float))
 
