@@ -290,7 +290,7 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_143(env, tmp_path):
     # out (that exit would leave no new checkpoint).
     assert proc.returncode == 143, err
     stopped = metrics(workdir)[-1]["step"]
-    assert re.search(rf"preempted \(SIGTERM or SIGUSR2\) after step {stopped}", err), err
+    assert re.search(rf"Preempted: stopped by SIGTERM or SIGUSR2 after step {stopped};", err), err
     assert CheckpointManager(os.path.join(workdir, "checkpoints")).steps() == [stopped]
     extended = (f"train.steps={stopped + 3}", "optimiser.schedule=constant")
     refused = run(env, workdir, *extended)
