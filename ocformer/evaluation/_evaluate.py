@@ -9,7 +9,6 @@ controls, readout) and rebuilds everything else from the changed configuration.
 
 import dataclasses
 import math
-import sys
 import time
 from collections.abc import Sequence
 
@@ -37,8 +36,8 @@ from ..training import (
     enable_x64_for_run,
     load_run_at,
     make_eval_step,
-    tokenizer_mismatch,
     validation_metrics,
+    warn_of_tokenizer_mismatch,
     with_precision,
 )
 
@@ -272,8 +271,7 @@ def evaluate_start(config: Config) -> dict:
     """
     validate(config)
     exp = build(config, record_source=False)
-    if (mismatch := tokenizer_mismatch(config, exp.task)) is not None:
-        print(f"ocformer: warning: {mismatch}", file=sys.stderr, flush=True)
+    warn_of_tokenizer_mismatch(config, exp.task)
     metrics = evaluate(config, exp.model, exp.task)
     return {"step": 0, "discretisation": discretisation_of(config), **metrics}
 

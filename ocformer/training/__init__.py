@@ -25,6 +25,7 @@ from ._init_from import (
     run_needs_x64 as run_needs_x64,
     start_needs_x64 as start_needs_x64,
     tokenizer_mismatch as tokenizer_mismatch,
+    warn_of_tokenizer_mismatch as warn_of_tokenizer_mismatch,
 )
 from ._load_run import load_run as load_run, load_run_at as load_run_at
 from ._lock import LOCK_FILE as LOCK_FILE, DirectoryLock as DirectoryLock

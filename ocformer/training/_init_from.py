@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 from typing import Any, Literal
 
 import equinox as eqx
@@ -327,6 +328,12 @@ def tokenizer_mismatch(config: Config, task) -> str | None:
         "model's own symbols, prepare the corpus with --tokenizer "
         f"{source.path if source.kind == 'checkpoint' else 'that tokenizer.json'}"
     )
+
+
+def warn_of_tokenizer_mismatch(config: Config, task) -> None:
+    """Print ``tokenizer_mismatch``'s warning on stderr, if there is one."""
+    if (mismatch := tokenizer_mismatch(config, task)) is not None:
+        print(f"ocformer: warning: {mismatch}", file=sys.stderr, flush=True)
 
 
 def _kind(model: SequenceModel) -> str:
