@@ -301,6 +301,31 @@ def test_sigterm_checkpoints_at_the_next_step_and_exits_143(env, tmp_path):
     assert [r["step"] for r in metrics(workdir)] == list(range(1, stopped + 4))
 
 
+def test_one_ctrl_c_ends_the_run_in_one_line_and_it_resumes(env, tmp_path):
+    """One Ctrl-C: exit 130 and one line naming the resume point. The command ends
+    without the interpreter's shutdown (which could free XLA's runtime under compiler
+    threads an interrupt left working), its files closed first: the directory's lock
+    is free and the rerun resumes from that checkpoint. (The interrupt lands in a
+    step's record write often here, where it once lost the wake-up of TensorBoard's
+    writer thread and the run's close waited for ever.)"""
+    workdir = tmp_path / "interrupted"
+    long_run = ("train.steps=100000", "train.checkpoint_every=5", "optimiser.schedule=constant")
+    proc = start(env, workdir, *long_run)
+    wait_until(lambda: lines_written(workdir) >= 7, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err
+    [line] = [line for line in err.splitlines() if line.strip()]
+    found = re.search(r"interrupted; .*newest committed checkpoint is step (\d+)", line)
+    assert found and "Traceback" not in err, err
+    resumed = int(found.group(1))
+    extended = (f"train.steps={resumed + 2}", "optimiser.schedule=constant")
+    again = run(env, workdir, *extended, flags=["--allow-config-change"])
+    assert again.returncode == 0, again.stderr
+    assert f"from step {resumed}" in again.stdout
+    assert [r["step"] for r in metrics(workdir)] == list(range(1, resumed + 3))
+
+
 def test_a_reader_that_stops_reading_does_not_stop_the_run(env, tmp_path):
     """``python -m ocformer.train ... | head -1``: the pipe closes after the first line,
     the run goes on to its last step and exit code 0, without a traceback."""

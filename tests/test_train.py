@@ -580,6 +580,34 @@ def test_a_ctrl_c_during_a_checkpoint_save_comes_at_its_end(monkeypatch):
             signal.raise_signal(signal.SIGINT)
 
 
+def test_a_ctrl_c_during_a_write_of_the_records_comes_at_its_end(tmp_path, monkeypatch):
+    """TensorBoard's writer hands each event to a thread through a condition variable,
+    and a Ctrl-C raised inside its ``notify`` can lose that thread's wake-up: the run's
+    close then waited for ever on the thread (one Ctrl-C, a command that never ended).
+    A Ctrl-C during a write of the step's records comes at the write's end: the record
+    is whole in both files, and the run stops there."""
+    import signal
+
+    from ocformer.training import _metrics, _preempt
+
+    monkeypatch.setattr(_preempt, "_exit_on_second_interrupt", False)
+    written = []
+    scalars = _metrics.TensorBoard.scalars
+
+    def interrupted(self, step, record):
+        if step == 2:
+            signal.raise_signal(signal.SIGINT)  # its handler runs before the next line
+        scalars(self, step, record)
+        written.append(step)
+
+    monkeypatch.setattr(_metrics.TensorBoard, "scalars", interrupted)
+    config = resolve(SMOKE, [*QUIET, "train.steps=5", "train.eval_every=5"])
+    with pytest.raises(KeyboardInterrupt):
+        train(config, str(tmp_path))
+    assert written == [1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
 def test_a_ctrl_c_that_python_ignores_still_stops_the_run():
     """A Ctrl-C whose handler runs inside a garbage-collection callback (jax registers
     one) raised there, and Python printed and ignored it: the run went on to its end

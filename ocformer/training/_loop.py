@@ -597,7 +597,7 @@ class _Loop:
         if logged or saving or query:
             self._fetch()
         if logged:
-            self._log(biased, evaluated)
+            self._log(biased, evaluated, guard)
         self.bar.update(1)
         if saving:
             with guard.holding_interrupts():
@@ -663,9 +663,12 @@ class _Loop:
         lr = float(np.asarray(self.exp.schedule(applied)))
         self.last = {"step": self.step, **values, "skipped_steps": self.skipped, "lr": lr}
 
-    def _log(self, biased, evaluated: bool) -> None:
+    def _log(self, biased, evaluated: bool, guard: PreemptionGuard) -> None:
         """Write the step's record: throughput, the depth-parallel bias, an evaluation
-        with its sample, and the depth fallback they may call for."""
+        with its sample, and the depth fallback they may call for. A Ctrl-C during a
+        write comes at its end (``holding_interrupts``): TensorBoard's writer hands its
+        events to a thread, and an interrupt inside that hand-over can lose the wake-up
+        of the thread, whose close then waits for ever."""
         step, last = self.step, self.last
         # Training throughput only: measured before evaluation and sampling, whose time
         # is then excluded from the next window (as a checkpoint's is, in _save).
@@ -685,13 +688,15 @@ class _Loop:
             with self.timings.span("sampling"):
                 text = self.evaluation.sample(self.model, self.key, step)
             if text is not None:
-                self.directory.sample(step, text)
+                with guard.holding_interrupts():
+                    self.directory.sample(step, text)
                 self.bar.write(f"--- sample at step {step} ---\n{text}\n---")
             self.throughput.restart()
         if reason is not None:
             self._fall_back(reason)
             last["depth_fallback_iterations"] = self.fallback.iterations
-        self.directory.log(step, {**last, **rate})
+        with guard.holding_interrupts():
+            self.directory.log(step, {**last, **rate})
         last.pop("depth_fallback_iterations", None)
         name = self.throughput.name
         speed = {name.replace("_per_", "/"): f"{rate[name]:,.0f}"}

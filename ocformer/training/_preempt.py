@@ -41,11 +41,11 @@ class PreemptionGuard:
     ``ExitCode.PREEMPTED`` anyway: an unfinished save has no commit marker and is never
     restored, so the previous checkpoint stays the resume point.
 
-    SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` as usual (in a checkpoint save, at its
-    end: ``holding_interrupts``); once the run is stopping
-    after SIGTERM, a SIGINT exits at once (``exit_at_once``) instead of interrupting the
-    checkpoint with a traceback, and so does a second SIGINT after a first one when
-    ``exit_on_second_interrupt`` was called (the command line does).
+    SIGINT (Ctrl-C) raises ``KeyboardInterrupt`` as usual (in a checkpoint save or a
+    write of the run's records, at its end: ``holding_interrupts``); once the run is
+    stopping after SIGTERM, a SIGINT exits at once (``exit_at_once``) instead of
+    interrupting the checkpoint with a traceback, and so does a second SIGINT after a
+    first one when ``exit_on_second_interrupt`` was called (the command line does).
 
     Handlers can only be installed from the main thread; elsewhere the guard is inert.
     """
@@ -94,10 +94,14 @@ class PreemptionGuard:
 
     @contextlib.contextmanager
     def holding_interrupts(self) -> Iterator[None]:
-        """Defer a Ctrl-C that comes during the block (a checkpoint save: an interrupt
-        inside it would leave orbax's threads and event loops broken, to fail later
-        with tracebacks of their own) to the block's end, where ``KeyboardInterrupt``
-        is raised; a second one exits at once as at any other time."""
+        """Defer a Ctrl-C that comes during the block to the block's end, where
+        ``KeyboardInterrupt`` is raised; a second one exits at once as at any other time.
+
+        For code that hands work to threads: an interrupt inside a checkpoint save
+        leaves orbax's threads and event loops broken (they fail later with tracebacks
+        of their own), and one inside ``threading.Condition.notify`` can lose the
+        wake-up of the thread waiting on it (TensorBoard's writer, whose close then
+        waits for ever)."""
         self._holding = True
         try:
             yield
