@@ -365,8 +365,18 @@ def test_slurm_options_are_checked():
     assert slurm_options({"time_min": 10}, {"time_min": 30}).time_min == 30
     with pytest.raises(SweepError, match=r"unknown option\(s\) gpu; allowed: partition"):
         slurm_options({"gpu": 1}, {})
-    with pytest.raises(SweepError, match=r"slurm.cpus: expected an integer >= 0, got 'x'"):
+    with pytest.raises(SweepError, match=r"slurm.cpus: expected an integer >= 1, got 'x'"):
         slurm_options({"cpus": "x"}, {})
+    # A task of no node, CPU, minute or concurrency would be a job script SLURM refuses.
+    for key, flag in [("nodes", "--nodes"), ("cpus", "--cpus"), ("time_min", "--time-min"),
+                      ("array_parallelism", "--array-parallelism")]:  # fmt: skip
+        with pytest.raises(SweepError, match=rf"^{flag}: expected an integer >= 1, got 0$"):
+            slurm_options({}, {key: 0})
+        with pytest.raises(SweepError, match=rf"^slurm.{key}: expected an integer >= 1, got 0$"):
+            slurm_options({key: 0}, {})
+    assert slurm_options({}, {"gpus": 0}).gpus == 0
+    with pytest.raises(SweepError, match=r"^--gpus: expected an integer >= 0, got -1$"):
+        slurm_options({}, {"gpus": -1})
 
 
 # -- process bookkeeping -------------------------------------------------------------

@@ -82,11 +82,15 @@ def slurm_options(defaults: Mapping[str, Any], flags: Mapping[str, Any]) -> Slur
             "slurm", f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(SLURM_OPTIONS)}"
         )
     for key, value in merged.items():
+        # Named as it was given: a flag (--time-min) or the sweep file's slurm option.
+        where = f"--{key.replace('_', '-')}" if flags.get(key) is not None else f"slurm.{key}"
         if key == "partition":
             if value is not None and not isinstance(value, str):
-                raise SweepError(f"slurm.{key}", f"expected a string, got {value!r}")
-        elif not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise SweepError(f"slurm.{key}", f"expected an integer >= 0, got {value!r}")
+                raise SweepError(where, f"expected a string, got {value!r}")
+            continue
+        least = 0 if key == "gpus" else 1  # a task of no node, CPU or minute cannot run
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise SweepError(where, f"expected an integer >= {least}, got {value!r}")
     return SlurmOptions(**merged)
 
 
