@@ -412,6 +412,7 @@ def test_missing_data_file_is_a_usage_error(tmp_path, capsys):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "nowhere" in err and "make data" in err
+    assert "--set task.fallback=stdlib" in err  # the command line's way, not Python's alone
     assert not (tmp_path / "run").exists()
 
 

