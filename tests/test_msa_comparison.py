@@ -166,3 +166,16 @@ def test_the_report_refuses_a_directory_without_a_sweep_or_without_finished_arms
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert "not finished, left out" in err and "has no finished adamw point yet" in err
+    # Another sweep's directory (its points labelled by other axes), or a damaged file.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sweep.json").write_text(json.dumps({"arg": None, "points": [{"labels": {"lr": 1}}]}))
+    with pytest.raises(SystemExit) as refused:
+        report.main([str(other)])
+    assert refused.value.code == 2
+    assert "is not an msa_vs_adamw sweep" in capsys.readouterr().err
+    (other / "sweep.json").write_text("{")
+    with pytest.raises(SystemExit) as refused:
+        report.main([str(other)])
+    assert refused.value.code == 2
+    assert "sweep.json cannot be read" in capsys.readouterr().err

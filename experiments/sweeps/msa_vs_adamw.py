@@ -191,6 +191,12 @@ def read_sweep(sweep_dir: str) -> tuple[str, dict[str, list[Curve]]]:
     out)."""
     with open(os.path.join(sweep_dir, "sweep.json"), encoding="utf-8") as f:
         info = json.load(f)
+    points = info.get("points") if isinstance(info, dict) else None
+    if not points or any(not {"method", "seed"} <= set(p.get("labels", ())) for p in points):
+        raise ValueError(
+            f"{sweep_dir} is not an msa_vs_adamw sweep (its points are not labelled by "
+            "method and seed); give the --workdir of one"
+        )
     curves: dict[str, list[Curve]] = {}
     for p in sorted(info["points"], key=lambda p: int(p["labels"]["seed"])):
         train = p["config"]["train"]
@@ -334,7 +340,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not os.path.isfile(os.path.join(d, "sweep.json")):
             parser.error(f"{d} is not a sweep directory (no sweep.json); give the --workdir "
                          "of an msa_vs_adamw sweep")  # fmt: skip
-        arg, curves = read_sweep(d)
+        try:
+            arg, curves = read_sweep(d)
+        except ValueError as e:  # json.JSONDecodeError too
+            parser.error(str(e) if not isinstance(e, json.JSONDecodeError) else
+                         f"{d}/sweep.json cannot be read ({e}); run the sweep again")  # fmt: skip
         missing = [arm for arm in ("msa", "adamw") if not curves.get(arm)]
         if missing:
             parser.error(f"{d} has no finished {' or '.join(missing)} point yet; run the "
