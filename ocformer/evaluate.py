@@ -66,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     if (args.workdir is None) == (args.config is None):
-        return fail(_PROGRAM, ExitCode.USAGE, "give a work directory or --config EXPERIMENT")
+        both = args.workdir is not None
+        return fail(
+            _PROGRAM,
+            ExitCode.USAGE,
+            "give a work directory (a trained run) or --config EXPERIMENT (a run's start)"
+            + (", not both" if both else ""),
+        )
     if args.config is not None and args.step is not None:
         return fail(
             _PROGRAM,

@@ -471,7 +471,7 @@ def test_evaluate_config_reports_the_start_in_any_discretisation(
     assert evaluate_cli.main(["--config", experiment, "--step", "1"]) == 2
     assert evaluate_cli.main([str(tmp_path), "--config", experiment]) == 2
     err = capsys.readouterr().err
-    assert "drop --step" in err and "give a work directory or --config EXPERIMENT" in err
+    assert "drop --step" in err and "or --config EXPERIMENT (a run's start), not both" in err
 
 
 def test_evaluate_reports_the_step_it_loaded(experiment, tmp_path, monkeypatch):
