@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Start the processes of one training run (arguments after -- go to "
         "python -m ocformer.train).",
     )
-    sub = p.add_subparsers(dest="where", required=True)
+    sub = p.add_subparsers(dest="where", required=True, metavar="{local,slurm}")
     loc = sub.add_parser("local", help="N processes on this machine, CPU collectives")
     loc.add_argument("--nproc", type=int, required=True, metavar="N")
     loc.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
@@ -78,16 +78,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv and {"-h", "--help"} & set(argv):
-        try:
-            _parser().parse_args(argv)  # prints the help
-        except SystemExit as e:
-            return int(e.code or 0)
-    if "--" not in argv:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    parser = _parser()
+    try:
+        # First the launcher's own arguments, so that a missing local|slurm or --nproc
+        # is named; without --, what follows them is taken for training arguments.
+        args, rest = parser.parse_known_args(argv[:cut])
+        if rest and cut < len(argv):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    except SystemExit as e:  # --help (0), or argparse's usage error (2)
+        return int(e.code or 0)
+    if cut == len(argv):
         example = "-- --config experiments/smoke.py --workdir runs/smoke"
         return fail(_PROGRAM, 2, f"give the training arguments after --, e.g. {example}")
-    cut = argv.index("--")
-    args, train_args = _parser().parse_args(argv[:cut]), argv[cut + 1 :]
+    train_args = argv[cut + 1 :]
     if not train_args:
         return fail(_PROGRAM, 2, "no training arguments after --")
     try:

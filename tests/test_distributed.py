@@ -934,6 +934,15 @@ def test_slurm_dry_run_prints_a_multi_node_job(capsys):
 def test_launch_refuses_bad_invocations(capsys, monkeypatch):
     assert launch.main(["local", "--nproc", "2"]) == 2
     assert "after --" in capsys.readouterr().err
+    assert launch.main(["local", "--nproc", "2", "--config", SMOKE]) == 2  # -- forgotten
+    assert "give the training arguments after --" in capsys.readouterr().err
+    # What the launcher itself lacks is named first.
+    for argv, lacking in [([], "{local,slurm}"), (["--", "--config", SMOKE], "{local,slurm}"),
+                          (["local", "--", "--config", SMOKE], "--nproc")]:  # fmt: skip
+        assert launch.main(argv) == 2
+        assert f"the following arguments are required: {lacking}" in capsys.readouterr().err
+    assert launch.main(["local", "--nproc", "2", "--bogus", "--", "x"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert launch.main(["local", "--nproc", "0", "--", "--config", SMOKE]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
     for grace in ("-5", "nan", "inf"):
