@@ -81,3 +81,19 @@ def test_a_refusal_names_the_command_and_its_options(capsys):
     err = capsys.readouterr().err
     assert err.startswith("ocformer.analysis: error: --relaxation-eps 0.01 is the epsilon")
     assert "got --formulation pre. Use --formulation relaxed." in err
+
+
+def test_options_a_study_does_not_read_are_refused(capsys):
+    """The error in epsilon of the relaxed formulation solves the relaxed model alone:
+    ``--schemes`` and ``--steps`` given to it were ignored without a word, as a
+    ``--relaxation-eps`` of 0 reached the library under its keyword's name."""
+    assert cli.main(["convergence", "--formulation", "relaxed", "--schemes", "lie"]) == 2
+    err = capsys.readouterr().err
+    assert "does not read --schemes: drop it, or add --relaxation-eps EPS" in err, err
+    argv = ["convergence", "--formulation", "relaxed", "--schemes", "lie", "--steps", "4,8"]
+    assert cli.main(argv) == 2
+    assert "does not read --schemes or --steps: drop them" in capsys.readouterr().err
+    for eps in ("0", "-1", "nan", "inf", "x"):
+        assert cli.main(["convergence", "--relaxation-eps", eps]) == 2
+        err = capsys.readouterr().err
+        assert f"argument --relaxation-eps: expected a finite number > 0, got '{eps}'" in err

@@ -86,6 +86,17 @@ def _epsilons(text: str) -> list[float]:
     return _listed(text, parse, "a finite number > 0", "0.1,0.03,0.01")
 
 
+def _positive(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def _finite(tree):
     """``tree`` with every NaN or infinite float replaced by None."""
     if isinstance(tree, dict):
@@ -127,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     conv.add_argument(
         "--schemes",
-        default="lie,strang",
+        default=None,
         type=_names,
-        help="comma-separated names; strang(1,0,2) is Strang with that sequence",
+        help="comma-separated names; strang(1,0,2) is Strang with that sequence "
+        "(default lie,strang)",
     )
     conv.add_argument(
-        "--steps", default="4,8,16,32,64", type=_steps, help="steps per layer (each >= 1)"
+        "--steps",
+        default=None,
+        type=_steps,
+        help="steps per layer, each >= 1 (default 4,8,16,32,64)",
     )
     conv.add_argument("--formulation", default="pre", choices=STUDY_FORMULATIONS)
     conv.add_argument("--seed", type=int, default=0)
@@ -145,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     conv.add_argument(
         "--relaxation-eps",
-        type=float,
+        type=_positive,
         default=None,
         help="with --formulation relaxed: study the schemes over --steps on the relaxed "
         "equation with this epsilon (instead of the error in epsilon)",
@@ -165,6 +180,18 @@ def main(argv: list[str] | None = None) -> int:
             "--epsilons are the epsilons of the error in epsilon of --formulation relaxed "
             "without --relaxation-eps; this study does not read them: drop --epsilons",
         )
+    unread = [o for o, v in (("--schemes", args.schemes), ("--steps", args.steps)) if v is not None]
+    if unread and args.formulation == "relaxed" and args.relaxation_eps is None:
+        return fail(
+            _PROGRAM,
+            2,
+            "the error in epsilon of --formulation relaxed solves the relaxed model alone "
+            f"and does not read {' or '.join(unread)}: drop {'them' if len(unread) > 1 else 'it'}, "
+            "or add --relaxation-eps "
+            "EPS to study the schemes over --steps on the relaxed equation",
+        )
+    schemes = _names("lie,strang") if args.schemes is None else args.schemes
+    steps = _steps("4,8,16,32,64") if args.steps is None else args.steps
     for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
         problem = None if path is None else output_problem(path, option)
         if problem is not None:
@@ -177,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = convergence_study(
-            args.schemes,
-            args.steps,
+            schemes,
+            steps,
             formulation=args.formulation,
             seed=args.seed,
             **({} if args.epsilons is None else {"epsilons": args.epsilons}),
