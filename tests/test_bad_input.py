@@ -365,6 +365,9 @@ PREPARE_REFUSALS = [
         "--input", _file(t, "a.txt", _GOOD + b"xyz"), "--tokenizer", _char_tokenizer_file(t)],
      r"--input .*a\.txt: the tokenizer .*tokenizer\.json cannot encode its character 'x' "
      r"\(U\+0078\)"),
+    ("chunk-bytes-zero", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char", "--chunk-bytes", "0"],
+     r"^prepare text: error: --chunk-bytes must be >= 1, got 0$"),
     ("file-given-twice", lambda t: [
         "--input", _file(t, "in/a.txt", _GOOD), _file(t, "in/b.txt", _GOOD), f"{t}/in/*.txt",
         "--tokenizer", "char"],

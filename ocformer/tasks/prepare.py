@@ -128,6 +128,8 @@ def _text_main(argv: list[str]) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    if args.chunk_bytes < 1:
+        return fail("prepare text", 2, f"--chunk-bytes must be >= 1, got {args.chunk_bytes}")
     # SIGTERM (a scheduler, kill) unwinds like Ctrl-C: the temporary directory goes.
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
