@@ -85,7 +85,8 @@ def mesh_shape(config: Config, num_devices: int) -> tuple[int, int, int]:
         raise MeshError(
             "mesh.data",
             f"the mesh {axes} = {sizes} = {data * model * depth} devices "
-            f"is larger than the {num_devices} devices of this run ({jax.process_count()} "
+            f"is larger than the {num_devices} device{'s' if num_devices > 1 else ''} of this "
+            f"run ({jax.process_count()} "
             f"process(es), platform {jax.devices()[0].platform}); lower mesh.data or "
             f"mesh.model{' or mesh.depth' if depth > 1 else ''}, or use -1 for the rest",
         )

@@ -198,10 +198,12 @@ def left_out_summary(sweep_dir: str, info: dict) -> str | None:
     if not done:
         return None
     shown = ", ".join(done[:5]) + (f" and {len(done) - 5} more" if len(done) > 5 else "")
+    are = "are" if len(done) > 1 else "is"
     return (
-        f"{len(done)} finished points in {folder} are no longer part of this sweep and are "
-        f"left out of the report: {shown} (rerun the sweep with the seeds and values that "
-        "made them to report them again; nothing reruns)"
+        f"{len(done)} finished point{'s' if len(done) > 1 else ''} in {folder} {are} no "
+        f"longer part of this sweep and {are} left out of the report: {shown} (rerun the "
+        "sweep with the seeds and values that made them to report them again; nothing "
+        "reruns)"
     )
 
 

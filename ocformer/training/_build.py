@@ -291,9 +291,11 @@ def restore_run(
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             config = validate(from_dict(as_recorded(json.load(f))))
     except (OSError, json.JSONDecodeError) as e:
+        # Missing: rerunning the run's command writes it again; damaged: delete it first.
+        fix = "delete it, and " if not isinstance(e, FileNotFoundError) else ""
         raise WorkdirError(
-            f"{path}/config.json cannot be read ({e}). Restore it; or delete it, and "
-            "rerunning the run's `python -m ocformer.train` command writes it again from the "
+            f"{path}/config.json cannot be read ({e}). Restore it; or {fix}rerun the run's "
+            "`python -m ocformer.train` command, which writes it again from the "
             "configuration its newest checkpoint records"
         ) from None
     config = _anchored(config, path)
