@@ -77,6 +77,22 @@ def _report_parser() -> argparse.ArgumentParser:
     return p
 
 
+def whole_sweep(argv: list[str]) -> list[str]:
+    """The arguments without their ``--only`` selections: the command of the whole
+    sweep, which ``sweep.json`` and ``results.md`` record (the report covers every point,
+    whichever of them a command ran)."""
+    out: list[str] = []
+    selection = False
+    for a in argv:
+        if selection:
+            selection = False
+        elif a == "--only":
+            selection = True
+        elif not a.startswith("--only="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
@@ -110,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             dry_run=args.dry_run,
             slurm=slurm,
             wait=args.wait,
-            argv=[sys.executable, "-m", "ocformer.sweep", *args_list],
+            argv=[sys.executable, "-m", "ocformer.sweep", *whole_sweep(args_list)],
             runtime_checks=args.runtime_checks,
         )
     except SweepError as e:

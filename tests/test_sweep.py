@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ocformer.config import resolve, to_dict
-from ocformer.sweep import main as sweep_main
+from ocformer.sweep import main as sweep_main, whole_sweep
 from ocformer.sweeping import (
     Sweep,
     SweepError,
@@ -358,6 +358,13 @@ def test_workdir_holding_another_sweep_or_other_files(tmp_path):
     (other / "metrics.jsonl").write_text("")
     with pytest.raises(SweepError, match=r"is not a sweep directory \(it holds metrics.jsonl\)"):
         plan(SMOKE_SWEEP, workdir=str(other), build=False)
+
+
+def test_the_recorded_command_is_the_whole_sweeps():
+    """A command that ran some points (``--only``) is recorded without its selections:
+    the report covers every point, and rerunning the recorded command completes it."""
+    argv = ["s.py", "--only", "layers=1", "--workdir", "w", "--only=seed=0", "--parallel", "2"]
+    assert whole_sweep(argv) == ["s.py", "--workdir", "w", "--parallel", "2"]
 
 
 def test_slurm_options_are_checked():
@@ -841,6 +848,10 @@ def test_smoke_sweep_runs_skips_and_grows(tmp_path, compile_cache, capsys):
     ]
     assert table[2]["status"] == table[3]["status"] == "pending"
     first = read_status(out / "points" / table[0]["point"])
+    # The record names the command of the whole sweep, which the report covers.
+    command = json.loads((out / "sweep.json").read_text())["command"]
+    assert command.endswith(f"ocformer.sweep {SMOKE_SWEEP} --workdir {out}"), command
+    assert f"`{command}`" in (out / "results.md").read_text()
 
     assert sweep_main([SMOKE_SWEEP, "--workdir", str(out), "--parallel", "2"]) == 0
     assert read_status(out / "points" / table[0]["point"]) == first  # not run again
