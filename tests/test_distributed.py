@@ -755,6 +755,20 @@ def test_launch_local_stops_the_others_when_one_fails(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_launcher_tags_the_other_processes_lines_on_their_own_streams(capsys, monkeypatch):
+    """Process 1's lines come prefixed ``[process 1]``, its standard error on the
+    launcher's standard error (``2>file`` keeps every process's errors), its output on
+    standard output."""
+    from ocformer.distributed import _launcher
+
+    code = "import sys; print('said'); print('failed', file=sys.stderr)"
+    monkeypatch.setattr(_launcher, "train_command", lambda args: [sys.executable, "-c", code])
+    assert _launcher.launch_local(2, ["--config", "x"]) == 0
+    out, err = capsys.readouterr()
+    assert "[process 1] said\n" in out and "failed" not in out, out
+    assert "[process 1] failed\n" in err and "said" not in err, err
+
+
 def test_the_launcher_stops_only_processes_still_running(capsys):
     """Processes that had all ended when the first failure was seen are described as
     such, not as being stopped."""

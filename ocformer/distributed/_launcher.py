@@ -144,20 +144,22 @@ def launch_local(
     previous = {s: signal.signal(s, stop.handle) for s in _STOP_SIGNALS}
     try:
         for i in range(nproc):
-            piped = i > 0  # process 0 keeps the terminal (its progress bar); others tagged
+            # Process 0 keeps the terminal (its progress bar); the others' lines are
+            # tagged, each on the stream it was written to (errors stay on stderr).
+            piped = i > 0
             p = subprocess.Popen(
                 train_command(train_args),
                 stdout=subprocess.PIPE if piped else None,
-                stderr=subprocess.STDOUT if piped else None,
+                stderr=subprocess.PIPE if piped else None,
                 **supervised({**env, **process_environment(address, nproc, i)}),
             )
             procs.append(p)
             if piped:
                 tag = f"[process {i}] "
-                t = threading.Thread(target=_prefix, args=(p.stdout, tag, sys.stdout))
-                t.daemon = True
-                t.start()
-                threads.append(t)
+                for source, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                    t = threading.Thread(target=_prefix, args=(source, tag, out), daemon=True)
+                    t.start()
+                    threads.append(t)
         _say(f"{nproc} processes, coordinator {address}, pids {[p.pid for p in procs]}")
         stop.started()
         code = _supervise(procs, grace_s, stop)
@@ -167,8 +169,9 @@ def launch_local(
     for t in threads:
         t.join(timeout=5)
     for p in procs:
-        if p.stdout is not None:
-            p.stdout.close()
+        for stream in (p.stdout, p.stderr):
+            if stream is not None:
+                stream.close()
     return _stopped(stop, code)
 
 
