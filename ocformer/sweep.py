@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
         "--workdir", required=True, metavar="DIR", help="sweep directory (reuse to resume)"
     )
     p.add_argument("--launcher", choices=("local", "slurm"), default="local")
-    p.add_argument("--parallel", type=int, default=1, metavar="N", help="local worker processes")
+    p.add_argument(
+        "--parallel", type=int, default=None, metavar="N", help="local worker processes (1)"
+    )
     p.add_argument("--seeds", type=int, default=None, metavar="K", help="run seeds 0..K-1")
     p.add_argument(
         "--only",
@@ -93,6 +95,29 @@ def whole_sweep(argv: list[str]) -> list[str]:
     return out
 
 
+_SLURM_FLAGS = ("partition", "time_min", "cpus", "gpus", "nodes", "array_parallelism", "wait")
+
+
+def _unread_options(args: argparse.Namespace) -> str | None:
+    """A refusal of the options the chosen launcher would ignore, or None."""
+    if args.launcher == "local":
+        given = [f"--{k.replace('_', '-')}" for k in _SLURM_FLAGS if getattr(args, k)
+                 not in (None, False)]  # fmt: skip
+        if given:
+            one = len(given) == 1
+            return (
+                f"{', '.join(given)} {'is a SLURM option' if one else 'are SLURM options'}, "
+                "which the local launcher does not read: add --launcher slurm, or drop "
+                f"{'it' if one else 'them'}"
+            )
+    elif args.parallel is not None:
+        return (
+            "--parallel is the number of local worker processes, which --launcher slurm "
+            "does not read (its tasks run at once up to --array-parallelism): drop it"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args_list = sys.argv[1:] if argv is None else list(argv)
@@ -107,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sweep: {result['unfinished']}", file=sys.stderr)
         return 0
     args = _parser().parse_args(args_list)
+    if (problem := _unread_options(args)) is not None:
+        return fail(_PROGRAM, 2, problem)
     slurm = {
         "partition": args.partition,
         "time_min": args.time_min,
@@ -120,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             args.sweep,
             args.workdir,
             launcher=args.launcher,
-            parallel=args.parallel,
+            parallel=1 if args.parallel is None else args.parallel,
             seeds=args.seeds,
             only=args.only,
             dry_run=args.dry_run,

@@ -561,6 +561,14 @@ def _convergence(*options):
     return prepare
 
 
+def _sweep_with(*flags):
+    def case(tmp_path, stack):
+        sweep = [str(SWEEPS / "smoke.py"), "--workdir", str(tmp_path / "sweep"), *flags]
+        return _in_a_process("ocformer.sweep"), sweep
+
+    return case
+
+
 def _sweep_parallel_zero(tmp_path, stack):
     smoke = SWEEPS / "smoke.py"
     return _in_a_process("ocformer.sweep"), [
@@ -619,6 +627,13 @@ BAD_COMMAND_LINES = [
     ("convergence --epsilons of a study without them", _convergence("--epsilons", "0.1,0.01"),
      2, ["--epsilons are the epsilons of the error in epsilon", "drop --epsilons"]),
     ("sweep --parallel 0", _sweep_parallel_zero, 2, ["--parallel: must be >= 1", "got 0"]),
+    # Options the chosen launcher would ignore.
+    ("sweep local --partition", _sweep_with("--partition", "gpu", "--wait"), 2,
+     ["--partition, --wait are SLURM options, which the local launcher does not read: add "
+      "--launcher slurm, or drop them"]),
+    ("sweep slurm --parallel", _sweep_with("--launcher", "slurm", "--parallel", "2"), 2,
+     ["--parallel is the number of local worker processes, which --launcher slurm does not "
+      "read"]),
     ("evaluate --json into a missing folder", _evaluate_json(lambda t: str(t / "no" / "r.json")),
      2, ["--json", "does not exist; create it first"]),
     ("evaluate --json a directory", _evaluate_json(lambda t: str(t)), 2,
