@@ -32,7 +32,8 @@ from .training import ExitCode, WorkdirError, enable_x64_for_run, load_run, run_
 
 _PROGRAM = "ocformer.export"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-# The fields that make a run the standard layer stack (the values to_layers reads).
+# The fields that make a run the standard layer stack (the values to_layers reads; CvT's
+# convolutional projections are not in it).
 _STANDARD = (
     ("discretisation", "stepper", DiscretisationConfig().stepper),
     ("discretisation", "sub_solver", DiscretisationConfig().sub_solver),
@@ -40,6 +41,7 @@ _STANDARD = (
     ("discretisation", "stepsize", DiscretisationConfig().stepsize),
     ("discretisation", "depth_parallel", DiscretisationConfig().depth_parallel),
     ("model", "formulation", ModelConfig().formulation),
+    ("model", "attention", ModelConfig().attention),
     ("controls", "kind", ControlsConfig().kind),
 )
 

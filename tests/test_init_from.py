@@ -391,6 +391,7 @@ def test_the_export_refuses_every_discretisation_but_the_layer_stack(experiment)
     for field, value in [
         ("discretisation.stepper", "strang"), ("discretisation.steps_per_layer", 2),
         ("discretisation.depth_parallel", "parareal"), ("controls.kind", "piecewise_linear"),
+        ("model.attention", "conv"),
     ]:  # fmt: skip
         differ = export_cli.nonstandard_fields(config(experiment, f"{field}={value}"))
         assert list(differ) == [field] and differ[field][0] == value

@@ -447,3 +447,45 @@ def test_to_layers_refuses_a_rediscretised_model(changes, differ):
     for original, recovered in zip(to_layers(model), back, strict=True):
         for k in LAYER_KEYS:
             np.testing.assert_array_equal(recovered[k], original[k], err_msg=k)
+
+
+def test_to_layers_refuses_what_the_stack_cannot_hold():
+    """CvT's convolutional projections, a feature spacing h_y other than 1, and layers
+    of other than unit time are other functions of the input under the standard
+    discretisation too: each was written as the stack without a word (the kernels
+    dropped, the spacing and step lost). Each is refused, named."""
+    import equinox as eqx
+    import jax.random as jr
+
+    from ocformer.controls import PiecewiseConstant
+    from ocformer.models import ContinuousTransformer, with_conv_projections
+    from ocformer.operators import Grid
+
+    layers = random_stack(53, 3, 6, 5)
+    model = from_layers(layers, norm="pre", num_heads=2, activation="gelu")
+    u0 = jnp.asarray(random_input(53, 2, 4, 6))
+    eps = model.layer_norm.eps
+    cvt = with_conv_projections(
+        model, token_grid=(2, 2), num_prefix=0, init_scale=0.5, key=jr.key(0)
+    )
+    longer = eqx.tree_at(
+        lambda m: m.control, model, PiecewiseConstant(model.control.values, 0.0, 6.0)
+    )
+    spaced = ContinuousTransformer(
+        model.control, norm="pre", num_heads=2, activation="gelu", ln_eps=eps, grid=Grid(h_y=0.5)
+    )
+    for other, named in [
+        (cvt, "attention='ConvAttention' (standard: 'Attention')"),
+        (longer, "layer step=2.0 (standard: 1.0)"),
+        (spaced, "grid.h_y=0.5 (standard: 1.0)"),
+    ]:
+        assert rel_err(other(u0), model(u0)) > 1e-4  # not the stack's function
+        with pytest.raises(ValueError, match=r"to_layers writes the standard layer stack") as e:
+            to_layers(other)
+        assert f"This model differs: {named};" in str(e.value), str(e.value)
+    # The token spacing cancels from softmax attention: that model is the stack.
+    tokens = ContinuousTransformer(
+        model.control, norm="pre", num_heads=2, activation="gelu", ln_eps=eps, grid=Grid(h_x=0.5)
+    )
+    assert rel_err(tokens(u0), model(u0)) < 1e-12
+    to_layers(tokens)

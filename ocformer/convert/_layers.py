@@ -10,7 +10,7 @@ from jaxtyping import Array
 from ..controls._control import PiecewiseConstant, stack_layers, unstack_layers
 from ..controls._params import AttentionParams, FeedForwardParams, LayerParams, NormParams
 from ..models._transformer import ContinuousTransformer, NormPosition
-from ..operators import Activation
+from ..operators import Activation, ConvAttention
 
 # What makes a model the standard layer stack, in the plain values of its ``choices()``:
 # the stepper and grid of ``Discretisation()`` (the Lie scheme, one explicit-Euler step
@@ -209,14 +209,27 @@ def from_layers(
 
 def nonstandard_fields(model: ContinuousTransformer) -> dict[str, tuple]:
     """``{field: (the model's value, the standard value)}`` for each field of
-    ``model.choices()`` in which it differs from ``STANDARD_LAYER_STACK``; empty when the
-    model is the standard layer stack."""
+    ``model.choices()`` in which it differs from ``STANDARD_LAYER_STACK``, and for what
+    else the stack cannot hold: CvT's convolutional projections (``attention``), a
+    feature spacing ``grid.h_y`` other than 1, and layers of other than unit time (the
+    control's ``(t1 - t0) / L``, the explicit-Euler step). Empty when the model is the
+    standard layer stack. (The token spacing ``h_x`` cancels from softmax attention.)"""
     choices = model.choices()
-    return {
+    out: dict[str, tuple] = {
         name: (getattr(choices, name), standard)
         for name, standard in STANDARD_LAYER_STACK.items()
         if getattr(choices, name) != standard
     }
+    if isinstance(model.attention, ConvAttention):
+        out["attention"] = ("ConvAttention", "Attention")
+    for operator in ("attention", "feedforward"):
+        h_y = getattr(model, operator).grid.h_y
+        if h_y != 1.0:
+            out["grid.h_y"] = (h_y, 1.0)
+    t0, t1 = model.control.interval
+    if (t1 - t0) / model.num_layers != 1.0:
+        out["layer step"] = ((t1 - t0) / model.num_layers, 1.0)
+    return out
 
 
 def check_standard(model: ContinuousTransformer, who: str) -> None:
@@ -236,18 +249,21 @@ def check_standard(model: ContinuousTransformer, who: str) -> None:
         return
     listed = ", ".join(f"{k}={v!r} (standard: {s!r})" for k, (v, s) in differ.items())
     fixes = []
-    if differ.keys() - {"formulation", "controls"}:
+    if differ.keys() & STANDARD_LAYER_STACK.keys() - {"formulation", "controls"}:
         fixes.append("ocformer.models.rediscretise(model, Discretisation())")
     if "formulation" in differ:
         fixes.append("ocformer.models.reformulate(model, formulation='split')")
     if "controls" in differ:
         fixes.append("piecewise-constant controls sampled on the layer grid")
+    if "layer step" in differ:
+        fixes.append("controls on [0, L] (PiecewiseConstant(values))")
+    back = f", or bring it back to the standard with {' and '.join(fixes)}" if fixes else ""
     raise ValueError(
         f"{who} writes the standard layer stack: the Lie scheme with one explicit-Euler "
         "step per layer at constant steps, the split formulation and piecewise-constant "
-        f"controls (one parameter set per layer). This model differs: {listed}; the "
-        "stack would not reproduce it. Write the model it was derived from, or bring it "
-        f"back to the standard with {' and '.join(fixes)}."
+        "controls (one parameter set per layer of unit time), with pointwise attention "
+        f"projections and unit feature spacing. This model differs: {listed}; the stack "
+        f"would not reproduce it. Write the model it was derived from{back}."
     )
 
 
