@@ -206,6 +206,30 @@ def test_matches_transformers_float32(saved, inputs, name):
     assert_close(name, got, {main: reference(name, hf, inputs)[main]}, F32_TOL)
 
 
+def test_loads_and_writes_bfloat16(saved, inputs, tmp_path):
+    """``dtype=jnp.bfloat16`` (an ml_dtypes type, which NumPy does not count as
+    floating) was refused as not floating. The model's arrays are the checkpoint's
+    rounded to bfloat16, its logits within bfloat16's rounding of the float32 model's,
+    and it writes a bfloat16 checkpoint that transformers reads with those arrays."""
+    import jax.numpy as jnp
+
+    path, hf = saved["gpt2"]
+    model = from_pretrained(path, dtype=jnp.bfloat16)
+    wq = model.transformer.control.values.attention.wq
+    assert wq.dtype == jnp.bfloat16
+    ref = hf.transformer.h[0].attn.c_attn.weight.detach().numpy()[:, :24]
+    np.testing.assert_array_equal(np.asarray(wq[0]), ref.astype(jnp.bfloat16))
+    logits = model.logits(inputs["ids"], inputs["mask"])
+    assert logits.dtype == jnp.bfloat16
+    full = reference("gpt2", hf, inputs)["logits"]
+    assert 1e-4 < rel_err(np.asarray(logits, np.float64), full) < 3e-2
+    to_pretrained(model, tmp_path / "out")
+    again = GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    assert again.dtype == torch.bfloat16
+    back = again.transformer.h[0].attn.c_attn.weight.detach().float().numpy()[:, :24]
+    np.testing.assert_array_equal(back, np.asarray(wq[0], np.float32))
+
+
 def test_heads_and_settings(saved):
     gpt2 = from_pretrained(saved["gpt2"][0])
     t = gpt2.transformer

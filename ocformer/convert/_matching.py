@@ -10,6 +10,7 @@ bad directory raises ``ValueError`` and nothing is half-loaded.
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._directory import Found
@@ -96,11 +97,12 @@ def target_dtype(dtype, found: Found, names: dict[str, str]) -> np.dtype:
         stored = {found[name][2] for name in names.values()}
         dtype = np.float64 if stored == {"F64"} else np.float32
     dtype = np.dtype(dtype)
-    if not np.issubdtype(dtype, np.floating):
+    # jnp's test: NumPy's own does not count bfloat16 (an ml_dtypes type) as floating.
+    if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}.")
     if dtype == np.float64 and not jax.config.read("jax_enable_x64"):
         raise ValueError(
             "dtype=float64 needs 64-bit JAX: jax.config.update('jax_enable_x64', True) "
-            "before loading (or dtype=None/float32)."
+            "before loading (or dtype=numpy.float32)."
         )
     return dtype
