@@ -79,7 +79,7 @@ def _free_port() -> int:
     "overrides, devices, field, words",
     [
         (["mesh.data=3"], 4, "mesh.data", "mesh.data=3 devices must divide task.batch_size=16"),
-        (["mesh.data=3"], 1, "mesh.data", "3 x 1 = 3 devices is larger than the 1 devices"),
+        (["mesh.data=3"], 1, "mesh.data", "3 x 1 = 3 devices is larger than the 1 device of"),
         (["mesh.model=4"], 4, "mesh.model", "model.num_heads=2"),
         (["mesh.model=2", "model.hidden=33"], 2, "mesh.model", "model.hidden=33"),
         # Too deep a mesh is named as such, not as mesh.model=1 (which fits).
@@ -127,10 +127,10 @@ def test_mesh_larger_than_the_devices_is_refused_at_start(tmp_path, capsys):
     with pytest.raises(MeshError) as e:
         Layout(config)
     assert e.value.field == "mesh.data"
-    assert "2 x 1 = 2 devices is larger than the 1 devices" in str(e.value)
+    assert "2 x 1 = 2 devices is larger than the 1 device of" in str(e.value)
     # The command line: exit 2, nothing written.
     code = cli.main(["--config", SMOKE, "--workdir", str(tmp_path / "w"), "--set", "mesh.data=2"])
-    assert code == 2 and "larger than the 1 devices" in capsys.readouterr().err
+    assert code == 2 and "larger than the 1 device of" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
 
 

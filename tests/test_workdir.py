@@ -286,7 +286,7 @@ BAD_INPUTS = [
      ["task.batch_size: a batch of 1000000000 sequences of 16 tokens needs about 238.4 GiB",
       "of memory available on this machine"]),
     ("mesh.data=3 on one device", _mesh_larger_than_the_devices, 2,
-     ["3 x 1 = 3 devices is larger than the 1 devices"]),
+     ["3 x 1 = 3 devices is larger than the 1 device of"]),
     ("bad --set syntax", _bad_set_syntax, 2, ["bad --set syntax"]),
     ("missing data", _missing_data, 2, ["no_data", "make data"]),
     ("corrupted commit marker", _corrupt_marker, 2, [f"step_{STEPS}", "commit marker"]),
