@@ -2,11 +2,17 @@
 vector-field calls of a diffrax solve, counted one by one."""
 
 import diffrax
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from _layers import random_input, random_stack
 
-from ocformer.evaluation import count_evaluations, evaluations_per_step
+from ocformer import Discretisation, rediscretise
+from ocformer.convert import from_layers
+from ocformer.dynamics._constrained import SumField
+from ocformer.evaluation import count_evaluations, evaluations_per_step, solver_stats
+from ocformer.models import ContinuousTransformer
 from ocformer.splitting import SCHEMES, SOLVERS
 
 EXPLICIT = ("euler", "heun", "midpoint", "ralston", "bosh3", "tsit5", "dopri5", "dopri8")
@@ -57,3 +63,45 @@ def test_an_implicit_solver_has_no_nfe_from_its_tableau(name):
 def test_imex_solvers_and_splitting_schemes_have_no_nfe(name):
     stepper = (SOLVERS[name] if name in SOLVERS else SCHEMES[name])()
     assert evaluations_per_step(stepper) is None and count_evaluations(stepper, 4) is None
+
+
+class _Direct(eqx.Module):
+    """A model whose inputs are its initial state (what ``solver_stats`` reads)."""
+
+    transformer: ContinuousTransformer
+
+    def initial_state(self, u0):
+        return u0
+
+
+@pytest.mark.parametrize(
+    "name, stepsize",
+    [("tsit5", "constant"), ("dopri5", "constant"), ("heun", "constant"), ("tsit5", "pid")],
+)
+def test_a_model_s_nfe_counts_the_first_stage_again_after_each_jump(name, stepsize, monkeypatch):
+    """On piecewise-constant controls the solve steps over each of the L - 1 jumps, and a
+    first-same-as-last solver (Tsit5, Dopri5) then evaluates its first stage again: the
+    reported NFE missed those (25 for 26 calls at L = 2, 49 for 52 at L = 4). Counted
+    call by call: exact on the constant-step grid; under PID low by at most the steps
+    rejected right after a jump, which diffrax's statistics do not show."""
+    calls = []
+    field = SumField.__call__
+
+    def counted(self, t, y, args):
+        jax.debug.callback(lambda: calls.append(1))
+        return field(self, t, y, args)
+
+    monkeypatch.setattr(SumField, "__call__", counted)
+    stack = from_layers(random_stack(61, 4, 6, 7), norm="pre", num_heads=2, activation="gelu")
+    model = rediscretise(
+        stack, Discretisation(SOLVERS[name](), steps_per_layer=2, stepsize=stepsize)
+    )
+    stats = solver_stats(_Direct(model), {"inputs": jnp.asarray(random_input(61, 2, 5, 6))})
+    jax.effects_barrier()  # every callback has run
+    assert stats["solver_steps"] >= 8 and stats["nfe"] is not None
+    if stepsize == "constant":
+        assert stats["nfe"] == len(calls)
+    else:
+        assert 0 <= len(calls) - stats["nfe"] <= stats["rejected_steps"], (len(calls), stats)
+    fsal = evaluations_per_step(SOLVERS[name]())[1]
+    assert count_evaluations(SOLVERS[name](), stats["solver_steps"]) == stats["nfe"] - 3 * fsal

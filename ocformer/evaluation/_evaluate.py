@@ -26,6 +26,7 @@ from ..config import (
     to_dict,
     validate,
 )
+from ..integration import jumps_stepped_over
 from ..models import DEPTH_PARALLEL_ONLY, rediscretise
 from ..splitting import inner_solver
 from ..training import (
@@ -122,6 +123,11 @@ def discretisation_of(config: Config) -> dict:
     return {f"{s}.{k}": v for s in DISCRETISATION_SECTIONS for k, v in data[s].items()}
 
 
+def _jumps(model) -> int:
+    t = model.transformer
+    return jumps_stepped_over(t.time_stepper(), t.control, t.discretisation)
+
+
 def _time_stepper(model):
     # The stepper the model's solve hands to diffeqsolve (a splitting scheme or a
     # diffrax solver, possibly wrapped by the projected formulation).
@@ -146,15 +152,25 @@ def evaluations_per_step(stepper) -> tuple[int, bool] | None:
     return tableau.num_stages, bool(tableau.fsal)
 
 
-def count_evaluations(stepper, num_steps: int) -> int | None:
+def count_evaluations(stepper, num_steps: int, jumps: int = 0) -> int | None:
     """The vector-field evaluations (NFE) of ``num_steps`` steps of ``stepper``: stages
-    per step, one fewer after the first step for first-same-as-last solvers; ``None``
-    where ``evaluations_per_step`` is."""
+    per step, one fewer after the first step for first-same-as-last solvers, which
+    evaluate their first stage again after each of the ``jumps`` of the control the
+    solve steps over (``ocformer.integration.jumps_stepped_over``); ``None`` where
+    ``evaluations_per_step`` is."""
     per_step = evaluations_per_step(stepper)
     if per_step is None:
         return None
+    if not (
+        isinstance(num_steps, int) and num_steps >= 0 and isinstance(jumps, int) and jumps >= 0
+    ):
+        raise ValueError(
+            f"num_steps and jumps must be whole numbers >= 0, got {num_steps!r} and {jumps!r}."
+        )
     stages, fsal = per_step
-    return 1 + num_steps * (stages - 1) if fsal and num_steps else num_steps * stages
+    if fsal and num_steps:
+        return 1 + num_steps * (stages - 1) + jumps
+    return num_steps * stages
 
 
 @eqx.filter_jit
@@ -168,7 +184,11 @@ def solver_stats(model, batch: dict) -> dict:
     accepted and rejected, and the vector-field evaluations (NFE) they cost.
 
     ``nfe`` is counted from the steps and an explicit solver's tableau (stages per step;
-    one fewer after the first step for first-same-as-last solvers); ``None`` for
+    one fewer after the first step for first-same-as-last solvers, and one more after
+    each jump of the control stepped over, where they evaluate their first stage again).
+    It is exact on the constant-step grid; under the PID controller a step rejected
+    right after a jump evaluates that stage once more, which diffrax's statistics do not
+    show, so ``nfe`` may be low by at most ``rejected_steps`` there. ``None`` for
     implicit solvers, whose count depends on their root finder's iterations, and for
     splitting schemes, whose steps evaluate sub-flows rather than the whole vector
     field. Every count is ``None`` for a depth-parallel solve, which is many chunk
@@ -184,7 +204,7 @@ def solver_stats(model, batch: dict) -> dict:
         "solver_steps": stats["num_steps"],
         "accepted_steps": stats["num_accepted_steps"],
         "rejected_steps": stats["num_rejected_steps"],
-        "nfe": count_evaluations(_time_stepper(model), stats["num_steps"]),
+        "nfe": count_evaluations(_time_stepper(model), stats["num_steps"], _jumps(model)),
     }
 
 

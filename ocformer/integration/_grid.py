@@ -65,6 +65,23 @@ def _jump_flags(solver: diffrax.AbstractSolver, control: AbstractControl, times)
     return np.any(np.abs(times[:, None] - np.asarray(jumps)[None, :]) <= 1e-9 * scale, axis=1)
 
 
+def jumps_stepped_over(
+    solver: diffrax.AbstractSolver, control: AbstractControl, discretisation
+) -> int:
+    """How many of the control's jumps a forward solve steps over with ``made_jump``:
+    after each, a first-same-as-last solver evaluates its first stage again. On the
+    constant-step grid, the jumps ``constant_controller`` steps over; under the PID
+    controller, each jump it is told of (``discretisation.jump_ts``)."""
+    jumps = control.jump_ts
+    if jumps is None or np.size(jumps) == 0:
+        return 0
+    if discretisation.is_adaptive:
+        return int(np.size(jumps)) if discretisation.jump_ts else 0
+    t0, t1 = control.interval
+    times = np.linspace(t0, t1, control.num_layers * discretisation.steps_per_layer + 1)
+    return int(_jump_flags(solver, control, times).sum())
+
+
 def constant_controller(
     solver: diffrax.AbstractSolver, control: AbstractControl, ts
 ) -> diffrax.AbstractStepSizeController:
