@@ -113,6 +113,26 @@ def test_gradient_check_agrees_with_finite_differences():
     assert refused["methods"]["discretise_then_optimise"]["fd_error"] < 1e-8
 
 
+def test_gradient_check_refuses_bad_arguments_and_takes_a_flat_loss():
+    """A string for ``methods`` was read a character at a time (``Unknown gradient
+    methods ['d', 'i', ...]``), ``directions=0`` failed inside ``max``, and a loss flat
+    along every direction divided by zero. Now: a ValueError naming the argument, and
+    a flat loss's exact gradient has error 0."""
+    model = _transformer(Lie(), 1)
+    with pytest.raises(
+        ValueError, match=r"methods must be a list of names, got the string 'direct'"
+    ):
+        gradient_check(lambda m: m(_u0()).sum(), model, methods="direct")
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=r"directions must be a whole number >= 1"):
+            gradient_check(lambda m: m(_u0()).sum(), model, directions=bad)
+    flat = gradient_check(
+        lambda m: 0.0 * m(_u0()).sum(), model, methods=["discretise_then_optimise"], directions=1
+    )
+    assert flat["finite_differences"] == [0.0]
+    assert flat["methods"]["discretise_then_optimise"]["fd_error"] == 0.0
+
+
 def test_costates_match_finite_differences_through_the_solve():
     """lambda_n = dJ/du_n. At the layer boundary t = 1 the reference is a central
     difference of J through the model's own solve of the remaining layer (a model of

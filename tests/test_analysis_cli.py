@@ -72,6 +72,9 @@ def test_the_library_studies_refuse_what_the_command_line_refuses():
             convergence_study(schemes, steps)
     with pytest.raises(ValueError, match="at least two distinct positive step counts"):
         gradient_comparison(steps_per_layer=(2, 2), solver="euler")
+    # A string is not a list of names (it was read a character at a time: scheme 'l').
+    with pytest.raises(ValueError, match=r"schemes must be a list of names, got the string 'lie'"):
+        convergence_study("lie", [4, 8])
 
 
 def test_a_refusal_names_the_command_and_its_options(capsys):

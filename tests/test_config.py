@@ -72,6 +72,13 @@ def test_overrides_are_parsed_by_field_type():
     validate(c)
     # Unchanged sections are the same objects: overrides touch only what they name.
     assert c.task is Config().task or c.task == Config().task
+    # One string is not a list of overrides (it was read a character at a time).
+    with pytest.raises(ConfigError, match=r"got the string 'train.steps=5': give \['train"):
+        resolve(SMOKE, "train.steps=5")  # type: ignore[arg-type]
+    from ocformer.evaluation import evaluate_run
+
+    with pytest.raises(ConfigError, match=r"got the string 'discretisation.stepper=strang'"):
+        evaluate_run("unread", "discretisation.stepper=strang")  # type: ignore[arg-type]
 
 
 def test_config_round_trips_through_json():

@@ -76,7 +76,7 @@ def gradient_check(
         model: a ``ContinuousTransformer`` or ``SequenceModel`` (float64), under any
             discretisation.
         methods: names from ``ocformer.integration.GRADIENT_METHODS``.
-        directions: how many random directions.
+        directions: how many random directions (>= 1).
         step: the finite-difference step h.
         seed: seeds the directions.
 
@@ -84,15 +84,22 @@ def gradient_check(
         A JSON-ready dict: ``loss``, ``finite_differences`` (one per direction) and per
         method either ``{"status": "refused", "reason"}`` (the rules refuse it for this
         model) or ``status="ok"``, ``directional`` (<g, v> per direction),
-        ``fd_error`` (max over directions of |<g, v> - FD| / max |FD|) and ``norm``.
+        ``fd_error`` (max over directions of |<g, v> - FD| / max |FD|; not divided
+        where every FD is zero) and ``norm``.
         ``gradients`` (not JSON) holds each method's gradient tree.
     """
     _require_x64("A finite-difference check")
+    if isinstance(methods, str):  # iterated, it would be one method per character
+        raise ValueError(
+            f"methods must be a list of names, got the string {methods!r}: give [{methods!r}]."
+        )
     unknown = [m for m in methods if m not in GRADIENT_METHODS]
     if unknown:
         raise ValueError(
             f"Unknown gradient methods {unknown}; known: {', '.join(GRADIENT_METHODS)}."
         )
+    if isinstance(directions, bool) or not (isinstance(directions, int) and directions >= 1):
+        raise ValueError(f"directions must be a whole number >= 1, got {directions!r}.")
     f, params = _control_loss(loss, model)
     leaves, treedef = jax.tree.flatten(params)
     keys = jr.split(jr.key(seed), directions)
@@ -109,7 +116,9 @@ def gradient_check(
         plus = f_jit(jax.tree.map(lambda p, d: p + step * d, params, v))
         minus = f_jit(jax.tree.map(lambda p, d: p - step * d, params, v))
         fds.append(float((plus - minus) / (2 * step)))
-    scale = max(abs(x) for x in fds)
+    # Relative to the largest difference; absolute where every one is zero (a loss flat
+    # along the directions, whose exact gradient is then zero along them too).
+    scale = max(abs(x) for x in fds) or 1.0
     out: dict = dict(loss=value, step=step, finite_differences=fds, methods={}, gradients={})
     for name in methods:
         try:

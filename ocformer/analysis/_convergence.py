@@ -221,6 +221,10 @@ def convergence_study(
         is recorded as ``{"status": "refused" | "failed", "reason": ...}`` and the
         other schemes are still computed.
     """
+    if isinstance(schemes, str):  # iterated, it would be one scheme per character
+        raise ValueError(
+            f"schemes must be a list of names, got the string {schemes!r}: give [{schemes!r}]."
+        )
     if not schemes:
         raise ValueError("No scheme given; give e.g. ['lie', 'strang'].")
     formulation = _study_formulation(formulation, model)

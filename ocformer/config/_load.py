@@ -96,6 +96,12 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def apply_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """``config`` with every ``section.field=value`` override applied, in order."""
+    if isinstance(overrides, str):  # iterated, it would be one override per character
+        raise ConfigError(
+            "--set",
+            f"overrides must be a list of 'section.field=value' strings, got the string "
+            f"{overrides!r}: give [{overrides!r}]",
+        )
     for text in overrides:
         key, value = parse_override(text)
         section, name = key.split(".")

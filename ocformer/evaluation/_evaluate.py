@@ -314,6 +314,12 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
         SolverFailure: a solve failed under the new discretisation.
         NonFiniteEvaluation: the validation loss is NaN or Inf under it.
     """
+    if isinstance(overrides, str):  # iterated, it would be one override per character
+        raise ConfigError(
+            "overrides",
+            f"a list of 'section.field=value' strings, got the string {overrides!r}: give "
+            f"[{overrides!r}]",
+        )
     for text in overrides:
         check_discretisation_field(text.split("=", 1)[0].strip())
     enable_x64_for_run(workdir)  # before its model is built, as in ocformer.train
