@@ -256,6 +256,23 @@ def test_implicit_solvers_at_coarse_steps_are_refused_with_the_step_count_that_w
     assert name in str(info.value) and "kencarp" in str(info.value)
 
 
+def test_reformulate_takes_a_sequence_model_as_rediscretise_does(post):
+    """A model with a ``transformer`` field (``SequenceModel``) is reformulated in place
+    of its transformer (it raised AttributeError: no ``control``)."""
+    import equinox as eqx
+
+    class Wrapped(eqx.Module):
+        transformer: ContinuousTransformer
+
+    wrapped = reformulate(Wrapped(post), formulation="relaxed", relaxation_eps=1.0)
+    alone = reformulate(post, formulation="relaxed", relaxation_eps=1.0)
+    assert isinstance(wrapped, Wrapped) and wrapped.transformer.formulation == "relaxed"
+    u0 = study_input(post)
+    assert jnp.array_equal(wrapped.transformer(u0), alone(u0))
+    with pytest.raises(ValueError, match=r"reformulate takes a ContinuousTransformer or a model"):
+        reformulate(object(), formulation="relaxed")
+
+
 def test_implicit_solver_at_the_minimum_step_count_converges(post):
     # Kvaerno4 on the projected dynamics at 4 and 8 steps per layer against Tsit5 at 64:
     # the errors are those of a fourth-order method (measured 2.5e-3 and 1.4e-4).

@@ -518,12 +518,7 @@ def rediscretise(model, discretisation: Discretisation | None = None, **changes)
         ValueError: both or neither of ``discretisation`` and ``changes`` given, an
             unknown field, or a combination the rules refuse (``IncompatibleError``).
     """
-    transformer = model if isinstance(model, ContinuousTransformer) else model.transformer
-    if not isinstance(transformer, ContinuousTransformer):
-        raise ValueError(
-            "rediscretise takes a ContinuousTransformer or a model with a `transformer` "
-            f"field holding one, got {type(model).__name__}."
-        )
+    transformer = _transformer_of(model, "rediscretise")
     if (discretisation is None) == (not changes):
         raise ValueError(
             "rediscretise takes either a Discretisation or fields to change, e.g. "
@@ -538,6 +533,22 @@ def rediscretise(model, discretisation: Discretisation | None = None, **changes)
         )
     new = eqx.tree_at(lambda m: m.discretisation, transformer, discretisation)
     new.check()
+    return _with_transformer(model, new)
+
+
+def _transformer_of(model, who: str) -> "ContinuousTransformer":
+    """``model`` itself, or the ``ContinuousTransformer`` in its ``transformer`` field."""
+    transformer = getattr(model, "transformer", model)
+    if not isinstance(transformer, ContinuousTransformer):
+        raise ValueError(
+            f"{who} takes a ContinuousTransformer or a model with a `transformer` field "
+            f"holding one, got {type(model).__name__}."
+        )
+    return transformer
+
+
+def _with_transformer(model, new: "ContinuousTransformer"):
+    """``new`` in place of ``model``'s transformer (``model`` itself if it is one)."""
     if isinstance(model, ContinuousTransformer):
         return new
     return eqx.tree_at(lambda m: m.transformer, model, new)
@@ -555,16 +566,19 @@ def refine(model, steps_per_layer: int):
 
 
 def reformulate(
-    model: ContinuousTransformer,
+    model,
     *,
     formulation: Formulation | None = None,
     relaxation_eps: float | None = None,
     discretisation: Discretisation | None = None,
-) -> ContinuousTransformer:
+):
     """The same controls and operators posed in another formulation (``"split"``,
     ``"projected"`` or ``"relaxed"``), optionally with a new discretisation; unlike
     ``rediscretise`` this changes the equation, so the model is rebuilt and checked (with
-    the same attention operator, e.g. CvT's convolutional one)."""
+    the same attention operator, e.g. CvT's convolutional one). ``model`` is a
+    ``ContinuousTransformer`` or a model with a ``transformer`` field holding one
+    (``SequenceModel``), and what is returned is of its kind."""
+    outer, model = model, _transformer_of(model, "reformulate")
     new = ContinuousTransformer(
         model.control,
         norm=model.norm,
@@ -578,4 +592,4 @@ def reformulate(
         relaxation_eps=model.relaxation_eps if relaxation_eps is None else relaxation_eps,
         discretisation=model.discretisation if discretisation is None else discretisation,
     )
-    return eqx.tree_at(lambda m: m.attention, new, model.attention)
+    return _with_transformer(outer, eqx.tree_at(lambda m: m.attention, new, model.attention))
