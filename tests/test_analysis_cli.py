@@ -75,6 +75,13 @@ def test_the_library_studies_refuse_what_the_command_line_refuses():
     # A string is not a list of names (it was read a character at a time: scheme 'l').
     with pytest.raises(ValueError, match=r"schemes must be a list of names, got the string 'lie'"):
         convergence_study("lie", [4, 8])
+    # A fractional step count was truncated without a word; a bad reference factor was
+    # named as the reference's steps_per_layer.
+    with pytest.raises(ValueError, match=r"Step counts must be whole numbers >= 1, got \[2.5, 4\]"):
+        convergence_study(["lie"], [2.5, 4])
+    for factor in (0, 1.5, True):
+        with pytest.raises(ValueError, match=r"reference_factor must be a whole number >= 1"):
+            convergence_study(["lie"], [2, 4], reference_factor=factor)
 
 
 def test_a_refusal_names_the_command_and_its_options(capsys):

@@ -144,6 +144,21 @@ def test_options_out_of_range():
         )
 
 
+def test_a_layer_is_read_by_its_index_only():
+    """``layer(np.int64(5))`` of a 2-layer model and ``layer(1.5)`` returned parameters
+    (the control at a time past the end, or inside a piece) without a word."""
+    model = from_layers(_layers(), num_heads=2)
+    np.testing.assert_array_equal(
+        model.layer(np.int64(1)).attention.wq, model.layer(1).attention.wq
+    )
+    for n in (np.int64(5), 5, -1):
+        with pytest.raises(IndexError, match=rf"^layer {n} of a model of 2 layers"):
+            model.layer(n)
+    for n in (1.5, True):
+        with pytest.raises(ValueError, match=r"layer takes a layer index 0..L-1"):
+            model.layer(n)
+
+
 def test_operator_options_out_of_range():
     with pytest.raises(ValueError, match=r"Grid.h_x must be a positive number .* got 0.0"):
         Grid(h_x=0.0)

@@ -241,6 +241,13 @@ def convergence_study(
         model = study_model(formulation, seed)
     eps_study = formulation == "relaxed" and relaxation_eps is None
     u0 = study_input(model, seed)
+    whole = [m for m in steps if isinstance(m, int | np.integer) and not isinstance(m, bool)]
+    if len(whole) < len(steps):  # int() would truncate 2.5 to 2 without a word
+        raise ValueError(f"Step counts must be whole numbers >= 1, got {list(steps)}.")
+    if isinstance(reference_factor, bool) or not (
+        isinstance(reference_factor, int | np.integer) and reference_factor >= 1
+    ):
+        raise ValueError(f"reference_factor must be a whole number >= 1, got {reference_factor!r}.")
     steps = sorted(int(m) for m in steps)
     if steps and steps[0] < 1:
         raise ValueError(f"Step counts must be >= 1, got {steps}.")

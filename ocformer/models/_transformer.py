@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from diffrax import MultiTerm
 from jaxtyping import Array, Float
 
@@ -492,7 +493,11 @@ class ContinuousTransformer(eqx.Module):
 
     def layer(self, n: int) -> LayerParams:
         """The controls of layer n (their value on the n-th piece of the grid),
-        0 <= n < num_layers."""
+        0 <= n < num_layers (a Python or NumPy integer; a traced one is not checked)."""
+        if isinstance(n, np.integer):
+            n = int(n)
+        if isinstance(n, bool | float):  # a time, not a layer: layer(1.5) read a piece
+            raise ValueError(f"layer takes a layer index 0..L-1, got {n!r}.")
         if isinstance(n, int) and not 0 <= n < self.num_layers:
             raise IndexError(f"layer {n} of a model of {self.num_layers} layers (0..L-1).")
         t0, t1 = self.control.interval
