@@ -212,8 +212,12 @@ class ContinuousTransformer(eqx.Module):
 
     def check(self) -> None:
         """Raise ``IncompatibleError`` if a rule refuses this equation-discretisation
-        pair (called on construction and by ``rediscretise``)."""
+        pair (called on construction and by ``rediscretise``), and ``ValueError`` if a
+        splitting scheme's sequence or groups do not fit the equation's terms."""
         check(self.choices())
+        stepper = self.discretisation.stepper
+        if isinstance(stepper, AbstractSplittingSolver):
+            stepper.check_terms(len(self.terms().terms))  # pyright: ignore[reportAttributeAccessIssue]
 
     @property
     def num_layers(self) -> int:

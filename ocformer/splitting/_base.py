@@ -58,6 +58,12 @@ class AbstractSplittingSolver(diffrax.AbstractSolver):
         split = _split_terms(terms)
         return dataclasses.replace(self, num_terms=len(split))
 
+    def check_terms(self, num_terms: int) -> None:
+        """Raise ``ValueError`` if the scheme's own structure (a ``sequence``, ``groups``)
+        does not fit ``num_terms`` terms: checked when a model takes the scheme, not at
+        its first solve. Schemes without such structure fit any number."""
+        del num_terms
+
     @abc.abstractmethod
     def splitting_order(self, num_terms: int, projections: tuple[int, ...] = ()) -> int:
         """The order of the splitting with exact sub-flows, for ``num_terms`` terms of

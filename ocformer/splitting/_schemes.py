@@ -65,6 +65,9 @@ class Strang(AbstractSplittingSolver):
     def __check_init__(self):
         check_sub_solver("Strang", self.sub_solver)
 
+    def check_terms(self, num_terms):
+        _check_permutation(self.sequence, num_terms, "Strang")
+
     def splitting_order(self, num_terms, projections=()):
         first = _check_permutation(self.sequence, num_terms, "Strang")[0]
         return 2 if all(i == first for i in projections) else 1
@@ -184,15 +187,19 @@ class Hybrid(AbstractSplittingSolver):
                 f"indices, e.g. ((0, 1), (2,)); got {self.groups!r}."
             )
 
+    def check_terms(self, num_terms):
+        if self.groups is None:
+            return
+        if sorted(i for g in self.groups for i in g) != list(range(num_terms)):
+            raise ValueError(
+                f"Hybrid.groups={self.groups!r} must use each of the {num_terms} term "
+                f"indices {tuple(range(num_terms))} exactly once."
+            )
+
     def resolved_groups(self, terms) -> tuple[tuple[int, ...], ...]:
         if self.groups is None:
             return default_groups(terms)
-        flat = sorted(i for g in self.groups for i in g)
-        if flat != list(range(len(terms))):
-            raise ValueError(
-                f"Hybrid.groups={self.groups!r} must use each of the {len(terms)} term "
-                f"indices {tuple(range(len(terms)))} exactly once."
-            )
+        self.check_terms(len(terms))
         return self.groups
 
     def splitting_order(self, num_terms, projections=()):
