@@ -9,12 +9,13 @@ The pre-LN smoke model (a smooth right-hand side) trained for 200 steps with Eul
 Heun, midpoint and Tsit5 at constant steps, and Tsit5 with a PID controller (rtol 1e-3,
 told the layer jumps; steps_per_layer sets its first step), each at 1, 2 and 4 steps
 per layer (15 runs, one seed). The NFE column is one forward solve of the trained model
-on a validation batch: steps x stages, Tsit5 1 + 6 x steps (first same as last).
+on a validation batch: steps x stages, Tsit5 1 + 6 x steps (first same as last) plus
+one after the layer jump (where it evaluates its first stage again).
 
-Measured (commit 160d726, 2 CPU cores, about 5 minutes): validation loss after 200
+Measured (commit b673e72, 2 CPU cores, about 5 minutes): validation loss after 200
 steps, Euler 0.343 / 0.470 / 0.585 at NFE 2 / 4 / 8; Heun 0.824 / 0.755 / 0.737 (NFE
-4 / 8 / 16); midpoint 0.672 / 0.725 / 0.732; Tsit5 0.758 / 0.733 / 0.733 (NFE 13 / 25 /
-49); Tsit5 + PID 0.733 at NFE 37-43 (one rejected step). Once the solve is accurate,
+4 / 8 / 16); midpoint 0.672 / 0.725 / 0.732; Tsit5 0.758 / 0.733 / 0.733 (NFE 14 / 26 /
+50); Tsit5 + PID 0.733 at NFE 38-44 (one rejected step). Once the solve is accurate,
 every solver trains to the same 0.733 (training the equation itself); the cheapest and
 least accurate discretisation, Euler at one step per layer (exactly a pre-LN
 Transformer), trains best on this task and budget.
