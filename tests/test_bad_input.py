@@ -144,6 +144,26 @@ def test_options_out_of_range():
         )
 
 
+def test_final_norm_is_checked_where_the_model_takes_it():
+    """``from_layers`` takes a dict or a ``NormParams`` (a model's own ``final_norm``);
+    ``ContinuousTransformer`` refused neither a dict (AttributeError at the first call)
+    nor a wrong-shaped ``NormParams`` (a shape error at the first call)."""
+    from ocformer.controls import NormParams
+    from ocformer.models import ContinuousTransformer
+
+    final = {"scale": np.full(6, 1.5), "bias": np.linspace(-1, 1, 6)}
+    model = from_layers(_layers(), num_heads=2, norm="pre", final_norm=final)
+    again = from_layers(_layers(), num_heads=2, norm="pre", final_norm=model.final_norm)
+    np.testing.assert_array_equal(again.final_norm.scale, model.final_norm.scale)
+    with pytest.raises(
+        ValueError, match=r"final_norm must be None or an ocformer.controls.NormParams"
+    ):
+        ContinuousTransformer(model.control, norm="pre", num_heads=2, final_norm=final)
+    short = NormParams(scale=np.ones(5), bias=np.zeros(6))
+    with pytest.raises(ValueError, match=r"shape \(6,\) or \(\) .*got shapes \(5,\) and \(6,\)"):
+        ContinuousTransformer(model.control, norm="pre", num_heads=2, final_norm=short)
+
+
 def test_a_layer_is_read_by_its_index_only():
     """``layer(np.int64(5))`` of a 2-layer model and ``layer(1.5)`` returned parameters
     (the control at a time past the end, or inside a piece) without a word."""

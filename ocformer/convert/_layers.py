@@ -147,7 +147,7 @@ def from_layers(
     activation: Activation = "relu",
     causal: bool = False,
     ln_eps: float = 1e-5,
-    final_norm: Mapping | None = None,
+    final_norm: Mapping | NormParams | None = None,
 ) -> ContinuousTransformer:
     """A standard Transformer stack as the continuous model under the Lie scheme.
 
@@ -162,7 +162,12 @@ def from_layers(
         activation: ``"relu"``, ``"gelu"`` (exact erf) or ``"gelu_tanh"``.
         causal: causal self-attention.
         ln_eps: LayerNorm epsilon (0 for the paper's exact projection).
-        final_norm: None, or ``{"scale": (d,), "bias": (d,)}`` applied at t = T.
+        final_norm: None, or ``{"scale": (d,), "bias": (d,)}`` (or a ``NormParams``,
+            as a model's ``final_norm``) applied at t = T.
+
+    The model's dtype is that of the arrays (float32 for integers), as JAX holds it:
+    NumPy's default float64 arrays give a float32 model unless 64-bit JAX is on
+    (``jax.config.update("jax_enable_x64", True)``, for float64 exactness).
 
     Returns:
         A ``ContinuousTransformer`` with piecewise-constant controls on t in [0, L]
@@ -183,15 +188,18 @@ def from_layers(
     dtype = _dtype_of(layers)
     control = PiecewiseConstant(stack_layers([_layer_params(layer, dtype) for layer in layers]))
     final = None
+    if isinstance(final_norm, NormParams):
+        final_norm = {"scale": final_norm.scale, "bias": final_norm.bias}
     if final_norm is not None:
-        if set(final_norm) != {"scale", "bias"}:
+        if not isinstance(final_norm, Mapping) or set(final_norm) != {"scale", "bias"}:
             raise ValueError(
-                f"final_norm must be a dict with keys 'scale' and 'bias', got {sorted(final_norm)}."
+                "final_norm must be a dict with keys 'scale' and 'bias' (or a NormParams), "
+                f"got {sorted(final_norm) if isinstance(final_norm, Mapping) else final_norm!r}."
             )
         for k in ("scale", "bias"):
             if np.shape(final_norm[k]) not in ((d,), ()):
                 raise ValueError(
-                    f"final_norm['{k}'] has shape {np.shape(final_norm[k])}, expected ({d},)."
+                    f"final_norm['{k}'] has shape {np.shape(final_norm[k])}, expected ({d},) or ()."
                 )
         final = NormParams(
             scale=_array(final_norm["scale"], dtype), bias=_array(final_norm["bias"], dtype)

@@ -156,6 +156,19 @@ class ContinuousTransformer(eqx.Module):
                 f"num_heads={num_heads!r} must be a positive integer dividing the "
                 f"feature width d={d}."
             )
+        if final_norm is not None and not (
+            isinstance(final_norm, NormParams)
+            and all(jnp.shape(x) in ((d,), ()) for x in (final_norm.scale, final_norm.bias))
+        ):
+            raise ValueError(
+                "final_norm must be None or an ocformer.controls.NormParams whose scale and "
+                f"bias have shape ({d},) or () (from_layers takes a dict), got "
+                + (
+                    f"shapes {jnp.shape(final_norm.scale)} and {jnp.shape(final_norm.bias)}."
+                    if isinstance(final_norm, NormParams)
+                    else f"{type(final_norm).__name__}."
+                )
+            )
         if not (isinstance(relaxation_eps, int | float) and relaxation_eps > 0):
             raise ValueError(f"relaxation_eps must be a number > 0, got {relaxation_eps!r}.")
         discretisation = Discretisation() if discretisation is None else discretisation
