@@ -734,3 +734,13 @@ def test_small_notebook_runs_never_rewrite_the_committed_notebooks(tmp_path, mon
     assert execute.main(["tiny"]) == 0
     assert printed(folder / "tiny.ipynb") == "42\n"
     assert execute.main(["nope"]) == 2  # no such notebook: nothing runs
+
+
+def test_a_run_s_step_is_a_whole_number():
+    """``load_run(wd, "10")`` answered ``no committed checkpoint of step 10; committed
+    steps: [10]``."""
+    from ocformer.training import load_run
+
+    for step in ("10", 10.0, True):
+        with pytest.raises(ValueError, match=r"step must be a whole number or None"):
+            load_run("unread", step)  # type: ignore[arg-type]

@@ -241,6 +241,12 @@ def _check_model_fits(model, built) -> None:
 def evaluate(config: Config, model, task=None) -> dict:
     """Validation metrics of ``model`` on the validation split of ``config``'s task.
 
+    Args:
+        config: the run's configuration (its task, objective and discretisation).
+        model: the model to evaluate, of the shapes ``config`` builds.
+        task: the task already built for ``config`` (None: built here), so that a
+            caller evaluating several models loads its data once.
+
     Returns:
         ``val_loss`` (the task loss), ``val_objective``, the task's other metrics as
         ``val_<name>`` (``val_accuracy``), the solver statistics of one forward solve

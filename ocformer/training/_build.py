@@ -277,7 +277,10 @@ def restore_run(
             checkpoint (of ``step``).
         ConfigError: the stored configuration is not valid for this version of ocformer.
         ocformer.checkpointing.CheckpointError: a corrupted or mismatched checkpoint.
+        ValueError: ``step`` is not a whole number (``"10"`` for ``10``).
     """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
+        raise ValueError(f"step must be a whole number or None, got {step!r}.")
     path = os.path.abspath(os.fspath(workdir))
     if not os.path.exists(path):
         raise WorkdirError(f"{path} does not exist: give the work directory of a training run")
