@@ -164,6 +164,33 @@ def test_final_norm_is_checked_where_the_model_takes_it():
         ContinuousTransformer(model.control, norm="pre", num_heads=2, final_norm=short)
 
 
+def test_numbers_are_taken_as_numpy_gives_them_and_booleans_are_not():
+    """NumPy scalars (a config read with NumPy, a shape's entry) were refused in some
+    places and ``True`` taken as 1 in others."""
+    import diffrax
+
+    from ocformer.integration import Discretisation
+    from ocformer.models import ContinuousTransformer
+
+    model = from_layers(_layers(), num_heads=np.int64(2), ln_eps=np.float32(1e-5))
+    assert model.attention.num_heads == 2 and type(model.attention.num_heads) is int
+    ContinuousTransformer(model.control, num_heads=np.int64(2), relaxation_eps=np.float64(0.1))
+    d = Discretisation(
+        diffrax.Tsit5(), stepsize="pid", rtol=np.float32(1e-3), atol=np.float64(1e-6)
+    )
+    assert type(d.rtol) is float and type(d.atol) is float
+    for bad in [dict(num_heads=True), dict(ln_eps=True), dict(ln_eps=float("nan"))]:
+        with pytest.raises(ValueError, match=rf"{next(iter(bad))}"):
+            from_layers(_layers(), **{"num_heads": 2, **bad})
+    with pytest.raises(ValueError, match="num_heads=True"):
+        ContinuousTransformer(model.control, num_heads=True)
+    with pytest.raises(ValueError, match="relaxation_eps must be a number > 0, got True"):
+        ContinuousTransformer(model.control, num_heads=2, relaxation_eps=True)
+    for value in (True, float("inf"), 0.0):
+        with pytest.raises(ValueError, match=r"rtol must be a finite number > 0"):
+            Discretisation(diffrax.Tsit5(), stepsize="pid", rtol=value)
+
+
 def test_a_layer_is_read_by_its_index_only():
     """``layer(np.int64(5))`` of a 2-layer model and ``layer(1.5)`` returned parameters
     (the control at a time past the end, or inside a piece) without a word."""

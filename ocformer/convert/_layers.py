@@ -1,5 +1,6 @@
 """Standard Transformer layer stacks in and out of the continuous model."""
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import overload
 
@@ -178,12 +179,18 @@ def from_layers(
             heads do not divide d, or an option is out of range.
     """
     d, _ = _check_layers(layers)
-    if not (isinstance(num_heads, int) and num_heads >= 1 and d % num_heads == 0):
+    if isinstance(num_heads, np.integer):
+        num_heads = int(num_heads)
+    if isinstance(num_heads, bool) or not (
+        isinstance(num_heads, int) and num_heads >= 1 and d % num_heads == 0
+    ):
         raise ValueError(
             f"num_heads={num_heads!r} must be a positive integer dividing d={d} "
             f"(e.g. one of {[h for h in range(1, d + 1) if d % h == 0][:8]})."
         )
-    if not (isinstance(ln_eps, (int, float)) and ln_eps >= 0):
+    if isinstance(ln_eps, bool) or not (
+        isinstance(ln_eps, int | float | np.floating) and math.isfinite(ln_eps) and ln_eps >= 0
+    ):
         raise ValueError(f"ln_eps must be a number >= 0, got {ln_eps!r}.")
     dtype = _dtype_of(layers)
     control = PiecewiseConstant(stack_layers([_layer_params(layer, dtype) for layer in layers]))

@@ -1,6 +1,7 @@
 """The discretisation of the controlled equation, as one value."""
 
 import dataclasses
+import math
 from typing import Literal, get_args
 
 import diffrax
@@ -76,8 +77,9 @@ class Discretisation(eqx.Module):
             int(steps_per_layer) if isinstance(steps_per_layer, np.integer) else steps_per_layer
         )
         self.stepsize = stepsize
-        self.rtol = rtol
-        self.atol = atol
+        # NumPy scalars as Python numbers (the fields are static: hashed and compared).
+        self.rtol = float(rtol) if isinstance(rtol, np.floating | np.integer) else rtol
+        self.atol = float(atol) if isinstance(atol, np.floating | np.integer) else atol
         self.jump_ts = jump_ts
 
     def __check_init__(self):
@@ -117,8 +119,10 @@ class Discretisation(eqx.Module):
             )
         for name in ("rtol", "atol"):
             value = getattr(self, name)
-            if not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"{name} must be a number > 0, got {value!r}.")
+            if isinstance(value, bool) or not (
+                isinstance(value, int | float) and math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
 
     @property
     def is_splitting(self) -> bool:

@@ -151,7 +151,13 @@ class ContinuousTransformer(eqx.Module):
                 f"function of time (e.g. PiecewiseConstant(params)), got {type(control).__name__}."
             )
         d = _feature_width(control)
-        if not (isinstance(num_heads, int) and num_heads >= 1) or d % num_heads:
+        if isinstance(num_heads, np.integer):
+            num_heads = int(num_heads)
+        if (
+            isinstance(num_heads, bool)
+            or not (isinstance(num_heads, int) and num_heads >= 1)
+            or d % num_heads
+        ):
             raise ValueError(
                 f"num_heads={num_heads!r} must be a positive integer dividing the "
                 f"feature width d={d}."
@@ -169,7 +175,9 @@ class ContinuousTransformer(eqx.Module):
                     else f"{type(final_norm).__name__}."
                 )
             )
-        if not (isinstance(relaxation_eps, int | float) and relaxation_eps > 0):
+        if isinstance(relaxation_eps, bool) or not (
+            isinstance(relaxation_eps, int | float | np.floating) and relaxation_eps > 0
+        ):
             raise ValueError(f"relaxation_eps must be a number > 0, got {relaxation_eps!r}.")
         discretisation = Discretisation() if discretisation is None else discretisation
         if not isinstance(discretisation, Discretisation):
