@@ -82,6 +82,13 @@ def export(
     workdir = os.fspath(workdir)
     config, model = load_run(workdir, step)
     differ = nonstandard_fields(config)
+    if "model.attention" in differ:
+        raise ConfigError(
+            "model.attention",
+            f"the run in {workdir} has CvT's convolutional attention projections "
+            "(model.attention=conv), which no Hugging Face checkpoint format holds; "
+            "evaluate it with python -m ocformer.evaluate instead",
+        )
     if differ:
         listed = ", ".join(f"{k}={v!r} (standard: {s!r})" for k, (v, s) in differ.items())
         raise ConfigError(

@@ -25,6 +25,8 @@ _PROGRAM = "ocformer.sweep"
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m ocformer.sweep",
+        # No abbreviated options: whole_sweep removes --only from the recorded command.
+        allow_abbrev=False,
         description="Train an experiment over a grid of config values and seeds.",
         epilog="python -m ocformer.sweep report DIR: re-aggregate results without running.",
     )
@@ -101,8 +103,9 @@ _SLURM_FLAGS = ("partition", "time_min", "cpus", "gpus", "nodes", "array_paralle
 def _unread_options(args: argparse.Namespace) -> str | None:
     """A refusal of the options the chosen launcher would ignore, or None."""
     if args.launcher == "local":
-        given = [f"--{k.replace('_', '-')}" for k in _SLURM_FLAGS if getattr(args, k)
-                 not in (None, False)]  # fmt: skip
+        # (is, not ==: --gpus 0 is given, and 0 == False)
+        given = [f"--{k.replace('_', '-')}" for k in _SLURM_FLAGS
+                 if getattr(args, k) is not None and getattr(args, k) is not False]  # fmt: skip
         if given:
             one = len(given) == 1
             return (

@@ -201,7 +201,7 @@ def test_a_layer_is_read_by_its_index_only():
     for n in (np.int64(5), 5, -1):
         with pytest.raises(IndexError, match=rf"^layer {n} of a model of 2 layers"):
             model.layer(n)
-    for n in (1.5, True):
+    for n in (1.5, True, np.float32(1.0), np.bool_(True)):
         with pytest.raises(ValueError, match=r"layer takes a layer index 0..L-1"):
             model.layer(n)
 
@@ -693,6 +693,9 @@ BAD_COMMAND_LINES = [
     ("sweep local --partition", _sweep_with("--partition", "gpu", "--wait"), 2,
      ["--partition, --wait are SLURM options, which the local launcher does not read: add "
       "--launcher slurm, or drop them"]),
+    ("sweep local --gpus 0", _sweep_with("--gpus", "0"), 2,
+     ["--gpus is a SLURM option, which the local launcher does not read"]),
+    ("sweep --onl", _sweep_with("--onl", "layers=1"), 2, ["unrecognized arguments: --onl"]),
     ("sweep slurm --parallel", _sweep_with("--launcher", "slurm", "--parallel", "2"), 2,
      ["--parallel is the number of local worker processes, which --launcher slurm does not "
       "read"]),

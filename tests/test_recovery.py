@@ -489,3 +489,7 @@ def test_to_layers_refuses_what_the_stack_cannot_hold():
     )
     assert rel_err(tokens(u0), model(u0)) < 1e-12
     to_layers(tokens)
+    # Nor does a shift in time: layers on [1.1, 4.1] are of unit time (to rounding).
+    shifted = eqx.tree_at(lambda m: m.control, model, PiecewiseConstant(model.control.values, 1.1))
+    assert shifted.control.interval[1] - 1.1 != 3.0  # the rounding that was refused
+    to_layers(shifted)

@@ -281,6 +281,12 @@ def test_bad_scheme_arguments(u0):
         rediscretise(_post(Lie()), stepper=Strang(sequence=(0, 1)))
     with pytest.raises(ValueError, match="exactly once"):
         _pre(Hybrid(groups=((0,),)))
+    # The coarse stepper of a depth-parallel solve too.
+    from ocformer.integration import Parareal
+
+    coarse = Parareal(Strang(sequence=(1, 0)), chunks=2)
+    with pytest.raises(ValueError, match=r"permutation of the 4 term indices"):
+        rediscretise(_post(Lie()), Discretisation(Lie(), depth_parallel=coarse))
     with pytest.raises(ValueError, match="tuple of non-empty tuples"):
         Hybrid(groups=((),))
 

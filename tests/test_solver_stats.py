@@ -5,6 +5,7 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from _layers import random_input, random_stack
 
@@ -92,6 +93,8 @@ def test_a_model_s_nfe_counts_the_first_stage_again_after_each_jump(name, stepsi
         return field(self, t, y, args)
 
     monkeypatch.setattr(SumField, "__call__", counted)
+    jax.clear_caches()  # every solve traced anew, through the counting field
+    eqx.clear_caches()
     stack = from_layers(random_stack(61, 4, 6, 7), norm="pre", num_heads=2, activation="gelu")
     model = rediscretise(
         stack, Discretisation(SOLVERS[name](), steps_per_layer=2, stepsize=stepsize)
@@ -105,3 +108,14 @@ def test_a_model_s_nfe_counts_the_first_stage_again_after_each_jump(name, stepsi
         assert 0 <= len(calls) - stats["nfe"] <= stats["rejected_steps"], (len(calls), stats)
     fsal = evaluations_per_step(SOLVERS[name]())[1]
     assert count_evaluations(SOLVERS[name](), stats["solver_steps"]) == stats["nfe"] - 3 * fsal
+
+
+def test_counts_are_whole_numbers_of_any_kind():
+    """diffrax's statistics are JAX arrays, and NumPy integers come from tables."""
+    tsit5 = diffrax.Tsit5()
+    assert count_evaluations(tsit5, jnp.asarray(4)) == count_evaluations(tsit5, 4) == 25
+    assert count_evaluations(tsit5, np.int64(4), np.int64(1)) == 26
+    for bad in (-1, True, 2.5):
+        for stepper in (tsit5, diffrax.Kvaerno3()):  # refused before a None for implicit
+            with pytest.raises(ValueError, match="must be whole numbers >= 0"):
+                count_evaluations(stepper, bad)

@@ -192,7 +192,15 @@ def read_sweep(sweep_dir: str) -> tuple[str, dict[str, list[Curve]]]:
     with open(os.path.join(sweep_dir, "sweep.json"), encoding="utf-8") as f:
         info = json.load(f)
     points = info.get("points") if isinstance(info, dict) else None
-    if not points or any(not {"method", "seed"} <= set(p.get("labels", ())) for p in points):
+    if (
+        not isinstance(points, list)
+        or not points
+        or any(
+            not (isinstance(p, dict) and isinstance(p.get("labels"), dict))
+            or not {"method", "seed"} <= set(p["labels"])
+            for p in points
+        )
+    ):
         raise ValueError(
             f"{sweep_dir} is not an msa_vs_adamw sweep (its points are not labelled by "
             "method and seed); give the --workdir of one"
@@ -342,9 +350,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "of an msa_vs_adamw sweep")  # fmt: skip
         try:
             arg, curves = read_sweep(d)
-        except ValueError as e:  # json.JSONDecodeError too
-            parser.error(str(e) if not isinstance(e, json.JSONDecodeError) else
-                         f"{d}/sweep.json cannot be read ({e}); run the sweep again")  # fmt: skip
+        except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError too
+            named = type(e) is ValueError and "msa_vs_adamw sweep" in str(e)
+            parser.error(str(e) if named else
+                         f"{d}/sweep.json cannot be read ({type(e).__name__}: {e}); run the "
+                         "sweep again")  # fmt: skip
         missing = [arm for arm in ("msa", "adamw") if not curves.get(arm)]
         if missing:
             parser.error(f"{d} has no finished {' or '.join(missing)} point yet; run the "

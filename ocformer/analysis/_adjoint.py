@@ -18,6 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Float
 
 from ..integration import GRADIENT_METHODS
@@ -98,7 +99,9 @@ def gradient_check(
         raise ValueError(
             f"Unknown gradient methods {unknown}; known: {', '.join(GRADIENT_METHODS)}."
         )
-    if isinstance(directions, bool) or not (isinstance(directions, int) and directions >= 1):
+    if isinstance(directions, bool) or not (
+        isinstance(directions, int | np.integer) and directions >= 1
+    ):
         raise ValueError(f"directions must be a whole number >= 1, got {directions!r}.")
     f, params = _control_loss(loss, model)
     leaves, treedef = jax.tree.flatten(params)

@@ -237,24 +237,25 @@ def convergence_study(
             )
         if not relaxation_eps > 0:
             raise ValueError(f"relaxation_eps must be > 0, got {relaxation_eps!r}.")
-    if model is None:
-        model = study_model(formulation, seed)
     eps_study = formulation == "relaxed" and relaxation_eps is None
-    u0 = study_input(model, seed)
-    whole = [m for m in steps if isinstance(m, int | np.integer) and not isinstance(m, bool)]
-    if len(whole) < len(steps):  # int() would truncate 2.5 to 2 without a word
-        raise ValueError(f"Step counts must be whole numbers >= 1, got {list(steps)}.")
+    # The arguments before any model is built.
+    given = list(np.asarray(steps).tolist() if hasattr(steps, "shape") else steps)
+    if not all(isinstance(m, int | np.integer) and not isinstance(m, bool) for m in given):
+        raise ValueError(f"Step counts must be whole numbers >= 1, got {given}.")  # not truncated
     if isinstance(reference_factor, bool) or not (
         isinstance(reference_factor, int | np.integer) and reference_factor >= 1
     ):
         raise ValueError(f"reference_factor must be a whole number >= 1, got {reference_factor!r}.")
-    steps = sorted(int(m) for m in steps)
+    steps = sorted(int(m) for m in given)
     if steps and steps[0] < 1:
         raise ValueError(f"Step counts must be >= 1, got {steps}.")
     if not eps_study and len(set(steps)) < 2:
         raise ValueError(f"A slope needs at least two distinct step counts, got {steps}.")
     if len(set(steps)) < len(steps) or len(set(epsilons)) < len(epsilons):
         raise ValueError(f"A step count or epsilon is given twice: {steps}, {list(epsilons)}.")
+    if model is None:
+        model = study_model(formulation, seed)
+    u0 = study_input(model, seed)
     t0, t1 = model.control.interval
     length = (t1 - t0) / model.num_layers
     ref_steps = reference_factor * (relaxed_steps if eps_study else steps[-1])

@@ -242,8 +242,9 @@ def nonstandard_fields(model: ContinuousTransformer) -> dict[str, tuple]:
         if h_y != 1.0:
             out["grid.h_y"] = (h_y, 1.0)
     t0, t1 = model.control.interval
-    if (t1 - t0) / model.num_layers != 1.0:
-        out["layer step"] = ((t1 - t0) / model.num_layers, 1.0)
+    step = (t1 - t0) / model.num_layers  # PiecewiseConstant(values, t0) rounds t0 + L
+    if not math.isclose(step, 1.0, rel_tol=1e-9):
+        out["layer step"] = (step, 1.0)
     return out
 
 
@@ -271,7 +272,7 @@ def check_standard(model: ContinuousTransformer, who: str) -> None:
     if "controls" in differ:
         fixes.append("piecewise-constant controls sampled on the layer grid")
     if "layer step" in differ:
-        fixes.append("controls on [0, L] (PiecewiseConstant(values))")
+        fixes.append("controls of unit layer time (PiecewiseConstant(values))")
     back = f", or bring it back to the standard with {' and '.join(fixes)}" if fixes else ""
     raise ValueError(
         f"{who} writes the standard layer stack: the Lie scheme with one explicit-Euler "

@@ -9,6 +9,7 @@ controls, readout) and rebuilds everything else from the changed configuration.
 
 import dataclasses
 import math
+import operator
 import time
 from collections.abc import Sequence
 
@@ -158,15 +159,20 @@ def count_evaluations(stepper, num_steps: int, jumps: int = 0) -> int | None:
     evaluate their first stage again after each of the ``jumps`` of the control the
     solve steps over (``ocformer.integration.jumps_stepped_over``); ``None`` where
     ``evaluations_per_step`` is."""
-    per_step = evaluations_per_step(stepper)
-    if per_step is None:
-        return None
-    if not (
-        isinstance(num_steps, int) and num_steps >= 0 and isinstance(jumps, int) and jumps >= 0
-    ):
+    try:  # Python, NumPy or concrete JAX integers (diffrax's statistics are arrays)
+        if isinstance(num_steps, bool) or isinstance(jumps, bool):
+            raise TypeError
+        counts = operator.index(num_steps), operator.index(jumps)
+    except TypeError:
+        counts = (-1, -1)
+    if min(counts) < 0:
         raise ValueError(
             f"num_steps and jumps must be whole numbers >= 0, got {num_steps!r} and {jumps!r}."
         )
+    num_steps, jumps = counts
+    per_step = evaluations_per_step(stepper)
+    if per_step is None:
+        return None
     stages, fsal = per_step
     if fsal and num_steps:
         return 1 + num_steps * (stages - 1) + jumps
@@ -319,6 +325,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
         ocformer.checkpointing.CheckpointError: a corrupted checkpoint.
         SolverFailure: a solve failed under the new discretisation.
         NonFiniteEvaluation: the validation loss is NaN or Inf under it.
+        ValueError: ``step`` is not a whole number.
     """
     if isinstance(overrides, str):  # iterated, it would be one override per character
         raise ConfigError(

@@ -1,5 +1,6 @@
 """A Transformer as the solution operator of the controlled equation."""
 
+import math
 from typing import Literal, get_args
 
 import diffrax
@@ -176,7 +177,9 @@ class ContinuousTransformer(eqx.Module):
                 )
             )
         if isinstance(relaxation_eps, bool) or not (
-            isinstance(relaxation_eps, int | float | np.floating) and relaxation_eps > 0
+            isinstance(relaxation_eps, int | float | np.integer | np.floating)
+            and math.isfinite(relaxation_eps)
+            and relaxation_eps > 0
         ):
             raise ValueError(f"relaxation_eps must be a number > 0, got {relaxation_eps!r}.")
         discretisation = Discretisation() if discretisation is None else discretisation
@@ -236,9 +239,11 @@ class ContinuousTransformer(eqx.Module):
         pair (called on construction and by ``rediscretise``), and ``ValueError`` if a
         splitting scheme's sequence or groups do not fit the equation's terms."""
         check(self.choices())
-        stepper = self.discretisation.stepper
-        if isinstance(stepper, AbstractSplittingSolver):
-            stepper.check_terms(len(self.terms().terms))  # pyright: ignore[reportAttributeAccessIssue]
+        d = self.discretisation
+        coarse = None if d.depth_parallel is None else d.depth_parallel.coarse_stepper
+        for stepper in (d.stepper, coarse):
+            if isinstance(stepper, AbstractSplittingSolver):
+                stepper.check_terms(len(self.terms().terms))  # pyright: ignore[reportAttributeAccessIssue]
 
     @property
     def num_layers(self) -> int:
@@ -521,7 +526,7 @@ class ContinuousTransformer(eqx.Module):
         0 <= n < num_layers (a Python or NumPy integer; a traced one is not checked)."""
         if isinstance(n, np.integer):
             n = int(n)
-        if isinstance(n, bool | float):  # a time, not a layer: layer(1.5) read a piece
+        if isinstance(n, bool | float | np.floating | np.bool_):  # a time, not a layer
             raise ValueError(f"layer takes a layer index 0..L-1, got {n!r}.")
         if isinstance(n, int) and not 0 <= n < self.num_layers:
             raise IndexError(f"layer {n} of a model of {self.num_layers} layers (0..L-1).")
