@@ -1,7 +1,7 @@
 """A Transformer as the solution operator of the controlled equation."""
 
 import math
-from typing import Literal, get_args
+from typing import Literal, TypeVar, cast, get_args
 
 import diffrax
 import equinox as eqx
@@ -41,6 +41,7 @@ from ._rules import Choices, check, describe_stepper
 NormPosition = Literal["pre", "post"]
 NORM_POSITIONS: tuple[str, ...] = get_args(NormPosition)
 Formulation = Literal["split", "projected", "relaxed"]
+_Model = TypeVar("_Model")  # a ContinuousTransformer, or a model holding one
 FORMULATIONS: tuple[str, ...] = get_args(Formulation)
 
 # Post-LN split terms: attention, LN 1, the averaged feed-forward step, LN 2.
@@ -582,10 +583,10 @@ def _transformer_of(model, who: str) -> "ContinuousTransformer":
     return transformer
 
 
-def _with_transformer(model, new: "ContinuousTransformer"):
+def _with_transformer(model: _Model, new: "ContinuousTransformer") -> _Model:
     """``new`` in place of ``model``'s transformer (``model`` itself if it is one)."""
     if isinstance(model, ContinuousTransformer):
-        return new
+        return cast(_Model, new)
     return eqx.tree_at(lambda m: m.transformer, model, new)
 
 
@@ -601,30 +602,30 @@ def refine(model, steps_per_layer: int):
 
 
 def reformulate(
-    model,
+    model: _Model,
     *,
     formulation: Formulation | None = None,
     relaxation_eps: float | None = None,
     discretisation: Discretisation | None = None,
-):
+) -> _Model:
     """The same controls and operators posed in another formulation (``"split"``,
     ``"projected"`` or ``"relaxed"``), optionally with a new discretisation; unlike
     ``rediscretise`` this changes the equation, so the model is rebuilt and checked (with
     the same attention operator, e.g. CvT's convolutional one). ``model`` is a
     ``ContinuousTransformer`` or a model with a ``transformer`` field holding one
     (``SequenceModel``), and what is returned is of its kind."""
-    outer, model = model, _transformer_of(model, "reformulate")
+    t = _transformer_of(model, "reformulate")
     new = ContinuousTransformer(
-        model.control,
-        norm=model.norm,
-        num_heads=model.attention.num_heads,
-        causal=model.attention.causal,
-        activation=model.feedforward.activation,
-        ln_eps=model.layer_norm.eps,
-        grid=model.attention.grid,
-        final_norm=model.final_norm,
-        formulation=model.formulation if formulation is None else formulation,
-        relaxation_eps=model.relaxation_eps if relaxation_eps is None else relaxation_eps,
-        discretisation=model.discretisation if discretisation is None else discretisation,
+        t.control,
+        norm=t.norm,
+        num_heads=t.attention.num_heads,
+        causal=t.attention.causal,
+        activation=t.feedforward.activation,
+        ln_eps=t.layer_norm.eps,
+        grid=t.attention.grid,
+        final_norm=t.final_norm,
+        formulation=t.formulation if formulation is None else formulation,
+        relaxation_eps=t.relaxation_eps if relaxation_eps is None else relaxation_eps,
+        discretisation=t.discretisation if discretisation is None else discretisation,
     )
-    return _with_transformer(outer, eqx.tree_at(lambda m: m.attention, new, model.attention))
+    return _with_transformer(model, eqx.tree_at(lambda m: m.attention, new, t.attention))
