@@ -367,6 +367,18 @@ def test_the_recorded_command_is_the_whole_sweeps():
     assert whole_sweep(argv) == ["s.py", "--workdir", "w", "--parallel", "2"]
 
 
+def test_slurm_options_are_checked_when_no_point_is_left(tmp_path, monkeypatch):
+    """A bad option is refused whether or not a point is left to run (it was checked
+    only where a job array was about to be submitted)."""
+    from ocformer.sweeping import _driver
+
+    monkeypatch.setattr(_driver, "require_slurm", lambda: None)  # no sbatch here
+    monkeypatch.setattr(_driver, "is_finished", lambda workdir, point: True)
+    with pytest.raises(SweepError, match=r"^--nodes: expected an integer >= 1, got 0$"):
+        _driver.run_sweep(SMOKE_SWEEP, str(tmp_path / "s"), launcher="slurm", slurm={"nodes": 0})
+    assert not (tmp_path / "s").exists()
+
+
 def test_slurm_options_are_checked():
     assert slurm_options({"time_min": 10}, {"cpus": 4, "time_min": None}).time_min == 10
     assert slurm_options({"time_min": 10}, {"time_min": 30}).time_min == 30

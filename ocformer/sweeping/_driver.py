@@ -216,6 +216,8 @@ def run_sweep(
         require_slurm()  # before the points are built
     workdir = os.path.abspath(workdir)
     sweep, info, todo = plan(spec, workdir=workdir, seeds=seeds, only=only, argv=argv)
+    # Checked whether or not a point is left to run (a bad option is bad either way).
+    options = slurm_options(sweep.slurm, slurm or {}) if launcher == "slurm" else None
     info["runtime_checks"] = bool(runtime_checks)
     pending = [p for p in todo if not is_finished(workdir, p)]
     if dry_run:
@@ -227,14 +229,13 @@ def run_sweep(
             state = "to run" if p in pending else "finished"
             extra = f" + {len(p['evaluations'])} evaluations" if p["evaluations"] else ""
             print(f"  {p['name']}{extra}: {state}")
-        if launcher == "slurm":
-            options = slurm_options(sweep.slurm, slurm or {})
+        if options is not None:
             print("--- job script (one array task per point) ---")
             print(job_script(workdir, max(len(pending), 1), options))
         return 0
     executor = None
-    if launcher == "slurm" and pending:
-        executor = executor_for(workdir, slurm_options(sweep.slurm, slurm or {}))
+    if options is not None and pending:
+        executor = executor_for(workdir, options)
     os.makedirs(workdir, exist_ok=True)
     with _locked(workdir):
         # Checked again under the lock: another sweep may have written it since plan().

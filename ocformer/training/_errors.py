@@ -172,7 +172,7 @@ class ConfigChanged(WorkdirError):
         super().__init__(
             f"work directory {workdir} holds a run of another configuration; changed "
             f"fields: {listed}. Resuming would mix two runs in one history. Use a new "
-            "--workdir, restore those fields, or pass --allow-config-change to continue "
-            "this run with the new values (the change is recorded in the directory's "
-            "config_history.jsonl)."
+            "--workdir, restore those fields, or pass --allow-config-change (in Python, "
+            "allow_config_change=True) to continue this run with the new values (the "
+            "change is recorded in the directory's config_history.jsonl)."
         )
