@@ -185,6 +185,10 @@ def _finite(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class NotThisSweep(ValueError):
+    """A sweep directory of another sweep than msa_vs_adamw."""
+
+
 def read_sweep(sweep_dir: str) -> tuple[str, dict[str, list[Curve]]]:
     """The model (the sweep's argument) and the curves of each arm (``ARMS``), by
     seed, of the points the sweep finished (the others are named on stderr and left
@@ -201,7 +205,7 @@ def read_sweep(sweep_dir: str) -> tuple[str, dict[str, list[Curve]]]:
             for p in points
         )
     ):
-        raise ValueError(
+        raise NotThisSweep(
             f"{sweep_dir} is not an msa_vs_adamw sweep (its points are not labelled by "
             "method and seed); give the --workdir of one"
         )
@@ -350,10 +354,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "of an msa_vs_adamw sweep")  # fmt: skip
         try:
             arg, curves = read_sweep(d)
+        except NotThisSweep as e:
+            parser.error(str(e))
         except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError too
-            named = type(e) is ValueError and "msa_vs_adamw sweep" in str(e)
-            parser.error(str(e) if named else
-                         f"{d}/sweep.json cannot be read ({type(e).__name__}: {e}); run the "
+            parser.error(f"{d}/sweep.json cannot be read ({type(e).__name__}: {e}); run the "
                          "sweep again")  # fmt: skip
         missing = [arm for arm in ("msa", "adamw") if not curves.get(arm)]
         if missing:

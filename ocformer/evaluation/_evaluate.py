@@ -124,11 +124,6 @@ def discretisation_of(config: Config) -> dict:
     return {f"{s}.{k}": v for s in DISCRETISATION_SECTIONS for k, v in data[s].items()}
 
 
-def _jumps(model) -> int:
-    t = model.transformer
-    return jumps_stepped_over(t.time_stepper(), t.control, t.discretisation)
-
-
 def _time_stepper(model):
     # The stepper the model's solve hands to diffeqsolve (a splitting scheme or a
     # diffrax solver, possibly wrapped by the projected formulation).
@@ -206,11 +201,14 @@ def solver_stats(model, batch: dict) -> dict:
     }
     if not stats:  # a depth-parallel solve reports none
         return dict.fromkeys(("solver_steps", "accepted_steps", "rejected_steps", "nfe"))
+    t = model.transformer
+    stepper = _time_stepper(model)
+    jumps = jumps_stepped_over(stepper, t.control, t.discretisation)
     return {
         "solver_steps": stats["num_steps"],
         "accepted_steps": stats["num_accepted_steps"],
         "rejected_steps": stats["num_rejected_steps"],
-        "nfe": count_evaluations(_time_stepper(model), stats["num_steps"], _jumps(model)),
+        "nfe": count_evaluations(stepper, stats["num_steps"], jumps),
     }
 
 
