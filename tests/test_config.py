@@ -169,6 +169,40 @@ def test_every_task_is_built_from_the_task_fields_its_registry_entry_names():
     assert _build._task_kwargs(config) == {"seq_len": 7, "data_dir": "/d", "fallback": "stdlib"}
 
 
+def test_the_experiment_s_options_of_its_own_task_do_not_follow_another_task():
+    """``--set task.name=X`` on an experiment written for another task: the options the
+    file gave its task and X does not read go back to their defaults, unrecorded (the
+    run's config.json holds no stale value); the same option given by ``--set``, in
+    either order, or by a file that names a task that does not read it, is refused; a
+    configuration a run recorded reads its other tasks' options as their defaults."""
+    from ocformer.config import TaskConfig, as_recorded
+
+    smoke = load_experiment(SMOKE)
+    # An experiment for a copy task of 50 symbols (smoke.py's 8 are the default).
+    wide = dataclasses.replace(smoke, task=dataclasses.replace(smoke.task, vocab_size=50))
+    assert is_set(wide.task, "vocab_size")
+    moved = apply_overrides(wide, ["task.name=tokens", "task.path=d", "task.seq_len=9"])
+    assert not is_set(moved.task, "vocab_size") and moved.task.vocab_size == 8
+    assert is_set(moved.task, "seq_len") and moved.task.seq_len == 9
+    validate(moved)
+    assert apply_overrides(wide, ["task.name=sort"]).task.vocab_size == 50  # sort reads it
+    for sets in (
+        ["task.vocab_size=50", "task.name=tokens"],
+        ["task.name=tokens", "task.vocab_size=50"],
+    ):
+        with pytest.raises(ConfigError) as e:
+            validate(apply_overrides(smoke, [*sets, "task.path=d"]))
+        assert e.value.field == "task.vocab_size"
+    file_made = dataclasses.replace(
+        Config(), task=TaskConfig(name="tokens", path="d", vocab_size=50)
+    )
+    with pytest.raises(ConfigError, match="task.name=tokens does not read it"):
+        validate(file_made)
+    stored = to_dict(file_made)
+    assert as_recorded(stored)["task"]["vocab_size"] == 8 and stored["task"]["vocab_size"] == 50
+    validate(from_dict(as_recorded(stored)))
+
+
 # (overrides, dotted field expected in the message, words the message must contain)
 BAD_CONFIGS = [
     (["model.num_layer=3"], "model.num_layer", "did you mean model.num_layers"),
@@ -189,6 +223,14 @@ BAD_CONFIGS = [
     (["discretisation.sub_solver=rk4"], "discretisation.sub_solver", "'midpoint'"),
     (["task.name=imagenet"], "task.name", "allowed: 'shakespeare_char'"),
     (["task.path=data/mine"], "task.path", "task.name=copy would ignore it"),
+    (
+        ["task.name=tokens", "task.path=d", "task.vocab_size=100"],
+        "task.vocab_size",
+        "is 100, but task.name=tokens does not read it (only copy, sort do; the vocabulary "
+        "size of task.name=tokens is its dataset manifest's); drop task.vocab_size",
+    ),
+    (["task.data_dir=/d"], "task.data_dir", "task.name=copy does not read it (only shakespeare"),
+    (["task.name=digits", "task.seq_len=10"], "task.seq_len", "task.name=digits does not read"),
     (["model.init_from="], "model.init_from", "is empty (it would name the current directory)"),
     (["train.progress=maybe"], "train.progress", "expected a bool (true/false; also 1/0"),
     (["model.norm=middle"], "model.norm", "allowed: 'pre', 'post'"),

@@ -727,16 +727,17 @@ def test_a_path_spelled_otherwise_is_no_configuration_change(tmp_path, monkeypat
 
     (tmp_path / "a" / "data").mkdir(parents=True)
     (tmp_path / "b").mkdir()
-    base = resolve(SMOKE, [])
+    task = "task.name=shakespeare_char"  # the task that reads task.data_dir
+    base = resolve(SMOKE, [task])
     stored = json.loads(json.dumps(to_dict(base)))
     stored["task"]["data_dir"] = "data"
     stored["model"]["init_from"] = "../b"
     then = str(tmp_path / "a")
     monkeypatch.chdir(tmp_path)
-    same = resolve(SMOKE, [f"task.data_dir={tmp_path / 'a' / 'data'}", "model.init_from=b"])
+    same = resolve(SMOKE, [task, f"task.data_dir={tmp_path / 'a' / 'data'}", "model.init_from=b"])
     assert config_changes(stored, same, then) == {}
     assert set(config_changes(stored, same)) == {"task.data_dir", "model.init_from"}
-    other = resolve(SMOKE, ["task.data_dir=a", "model.init_from=b"])
+    other = resolve(SMOKE, [task, "task.data_dir=a", "model.init_from=b"])
     assert set(config_changes(stored, other, then)) == {"task.data_dir"}
 
 

@@ -89,6 +89,16 @@ def is_set(section: Any, name: str) -> bool:
     return getattr(section, name) != default
 
 
+def without_field(section: T, name: str) -> T:
+    """``section`` with field ``name`` back at its default, recorded as unset."""
+    f = {f.name: f for f in dataclasses.fields(section)}[name]  # type: ignore[arg-type]
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    record = set_fields(section)
+    updated = dataclasses.replace(section, **{name: default})  # type: ignore[type-var]
+    object.__setattr__(updated, _RECORD, SetFields(record.names - {name}, record.complete))
+    return updated
+
+
 def with_field(section: T, name: str, value: Any) -> T:
     """``section`` with field ``name`` set to ``value``, recorded as set explicitly."""
     record = set_fields(section)

@@ -18,9 +18,17 @@ import types
 import typing
 from typing import Any
 
-from ._explicit import recording, with_field
+from ..tasks import TASKS
+from ._explicit import recording, with_field, without_field
 from ._schema import Config
-from ._validate import ConfigError, check_keys, field_types, section_class, validate
+from ._validate import (
+    ConfigError,
+    check_keys,
+    field_types,
+    section_class,
+    unread_task_options,
+    validate,
+)
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
@@ -102,11 +110,23 @@ def apply_overrides(config: Config, overrides: list[str] | tuple[str, ...]) -> C
             f"overrides must be a list of 'section.field=value' strings, got the string "
             f"{overrides!r}: give [{overrides!r}]",
         )
+    keys = set()
     for text in overrides:
         key, value = parse_override(text)
         section, name = key.split(".")
         updated = with_field(getattr(config, section), name, value)
         config = dataclasses.replace(config, **{section: updated})
+        keys.add(key)
+    if "task.name" in keys and config.task.name in TASKS:  # an unknown name is refused later
+        # Another task than the experiment's: the options the experiment gave its own
+        # task, and the new one does not read, are not the researcher's request here
+        # (smoke.py's task.vocab_size under --set task.name=tokens). They go back to
+        # their defaults; one given by --set stays, and validation refuses it.
+        task = config.task
+        for name in unread_task_options(task.name):
+            if f"task.{name}" not in keys:
+                task = without_field(task, name)
+        config = dataclasses.replace(config, task=task)
     return config
 
 

@@ -20,8 +20,9 @@ from ..dynamics import SubSolver
 from ..models import DEPTH_PARALLEL_ONLY, Choices, describe_stepper, refusals
 from ..objective import msa_refusals, ternary_refusals
 from ..splitting import SCHEMES, SOLVERS
+from ..tasks import TASKS
 from ._explicit import is_set
-from ._schema import SECTIONS, Config, DiscretisationConfig
+from ._schema import SECTIONS, Config, DiscretisationConfig, TaskConfig
 
 
 class ConfigError(ValueError):
@@ -273,6 +274,7 @@ def _check_combinations(c: Config) -> None:
             f"only task.name=tokens reads a dataset directory; task.name={c.task.name} "
             "would ignore it: add --set task.name=tokens, or drop task.path",
         )
+    _check_task_options(c)
     if m.attention == "conv" and m.conv_kernel % 2 == 0:
         raise ConfigError(
             "model.conv_kernel",
@@ -309,6 +311,39 @@ def _check_combinations(c: Config) -> None:
             "objective.kernel_norm and objective.kernel_bound go together (got "
             f"kernel_norm={o.kernel_norm!r}, kernel_bound={o.kernel_bound!r})",
         )
+
+
+def unread_task_options(task: str) -> list[str]:
+    """The options of some task (``ocformer.tasks.TASKS``) that task ``task`` does not
+    read."""
+    read = set(TASKS[task].options)
+    every = dict.fromkeys(o for spec in TASKS.values() for o in spec.options)
+    return [name for name in every if name not in read]
+
+
+def _check_task_options(c: Config) -> None:
+    """A task option set for a task that does not read it is refused: the run would
+    train on something else than asked (``task.vocab_size`` under ``task.name=tokens``,
+    whose vocabulary is its manifest's, say). ``task.path`` has its own message above."""
+    for name in unread_task_options(c.task.name):
+        if name == "path" or not is_set(c.task, name):
+            continue
+        readers = [t for t, spec in TASKS.items() if name in spec.options]
+        raise ConfigError(
+            f"task.{name}",
+            f"is {getattr(c.task, name)!r}, but task.name={c.task.name} does not read it "
+            f"(only {', '.join(readers)} {'does' if len(readers) == 1 else 'do'}"
+            f"{_instead(c.task.name, name)}); drop task.{name}",
+        )
+
+
+def _instead(task: str, name: str) -> str:
+    """What stands for option ``name`` under ``task``, where something does."""
+    if task == "tokens" and name == "vocab_size":
+        return "; the vocabulary size of task.name=tokens is its dataset manifest's"
+    if task == "tokens" and name == "data_dir":
+        return "; task.name=tokens reads the dataset directory task.path"
+    return ""
 
 
 def _check_msa(c: Config) -> None:
@@ -509,9 +544,18 @@ def as_recorded(data: dict) -> dict:
     with the meaning it had when that run trained: a field that version accepted and
     ignored, and that this version refuses instead, is set back to its default.
     Those are the depth-parallel fields (``ocformer.models.DEPTH_PARALLEL_ONLY``)
-    under ``discretisation.depth_parallel`` none: the serial solve never read them.
+    under ``discretisation.depth_parallel`` none: the serial solve never read them; and
+    the options of other tasks than the run's (``task.vocab_size`` under ``tokens``).
     A new configuration is never read this way: there they are refused."""
-    disc = data.get("discretisation") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return data
+    task = data.get("task")
+    if isinstance(task, dict) and task.get("name") in TASKS:
+        defaults = {f.name: f.default for f in dataclasses.fields(TaskConfig)}
+        unread = unread_task_options(task["name"])
+        reset = {k: defaults[k] for k in unread if k in task and k != "path"}
+        data = {**data, "task": {**task, **reset}}
+    disc = data.get("discretisation")
     if not isinstance(disc, dict) or disc.get("depth_parallel") is not None:
         return data
     defaults = {f.name: f.default for f in dataclasses.fields(DiscretisationConfig)}
