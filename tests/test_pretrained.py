@@ -502,6 +502,34 @@ def test_to_pretrained_reexports_into_its_own_directory(saved, inputs, tmp_path)
     assert _files(target) == before
 
 
+def test_an_export_killed_between_its_renames_is_put_back_by_the_next(saved, inputs, tmp_path):
+    """A kill between the two renames of a replacing export leaves the old export aside
+    (hidden) and nothing at the path; the next export there puts it back, removes a
+    dead export's staging directory, leaves a running one's alone, and replaces the old
+    export as usual (it is ocformer's)."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "out"
+    to_pretrained(from_pretrained(saved["gpt2"][0]), target)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    os.rename(target, tmp_path / f".out.old-{dead}-0123abcd")
+    (tmp_path / f".out.tmp-{dead}-89abcdef").mkdir()
+    running = tmp_path / f".out.tmp-{os.getppid()}-00000000"
+    running.mkdir()
+    from ocformer.convert._directory import recover_interrupted
+
+    recover_interrupted(str(target))
+    assert (target / "ocformer_export.json").exists()  # the old export, back
+    assert _siblings(target) == sorted([running.name, "out"])
+    path, hf = saved["bert"]
+    os.rename(target, tmp_path / f".out.old-{dead}-0123abcd")  # killed again
+    to_pretrained(from_pretrained(path), target)
+    running.rmdir()
+    _assert_holds_only_the_export(target, hf, inputs)
+
+
 def test_to_pretrained_into_a_file_is_a_value_error(saved, tmp_path):
     file = tmp_path / "model.safetensors"
     file.write_bytes(b"not a directory")

@@ -739,7 +739,19 @@ def test_plots_put_numeric_axes_on_x_and_draw_loss_against_cost(tmp_path, monkey
         "num_seeds": 1,
     }
     drawn = _record_plots(monkeypatch)
-    names = {os.path.basename(p) for p in plot(groups, info, str(tmp_path))}
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    # The caller's backend and figures (a notebook's) are left as they were.
+    backend = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        mine = plt.figure()
+        names = {os.path.basename(p) for p in plot(groups, info, str(tmp_path))}
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == [mine.number]
+    finally:
+        plt.close("all")
+        matplotlib.use(backend)
     assert (
         names
         == set(drawn)
@@ -1415,3 +1427,26 @@ def test_report_help_and_usage(tmp_path, capsys):
     assert "usage: python -m ocformer.sweep report [-h] DIR" in capsys.readouterr().out
     assert sweep_main(["report", str(tmp_path)]) == 2
     assert "is not a sweep directory (no sweep.json)" in capsys.readouterr().err
+
+
+def test_a_point_whose_start_hook_fails_is_not_left_running(tmp_path):
+    """An exception after a point's process started (here, of the hook that records its
+    start) ends the process before it propagates: nothing trains unwatched."""
+    from ocformer.sweeping import _run
+
+    started = []
+
+    def on_start(proc):
+        started.append(proc)
+        raise RuntimeError("the sweep's record could not be written")
+
+    with pytest.raises(RuntimeError, match="could not be written"):
+        _run._run_logged(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            str(tmp_path / "log.txt"),
+            dict(os.environ),
+            on_start=on_start,
+        )
+    (proc,) = started
+    assert proc.returncode is not None and proc.returncode < 0  # ended by a signal
+    assert proc not in _run._children

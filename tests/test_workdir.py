@@ -384,6 +384,13 @@ def test_metrics_repair_keeps_intact_files_byte_for_byte(tmp_path):
     assert path.read_text() == '{"step": 1, "loss": 0.5}\n'
     assert "1 line(s) that are not metric records" in warnings[0]
     assert "rewound to step 1" in warnings[1] and "dropped 2 record(s)" in warnings[1]
+    # A whole last record without its newline: kept, given its newline, so that the
+    # next record is a line of its own and both read back.
+    path.write_text(text + '{"step": 3}')
+    log = MetricsLog(str(path))
+    assert log.repair(3) == [] and path.read_text() == text + '{"step": 3}\n'
+    log.append({"step": 4})
+    assert [r["step"] for r in log.read()] == [1, 2, 3, 4]
 
 
 def test_allowed_config_change_is_recorded_and_the_schedule_change_announced(
@@ -446,6 +453,47 @@ def test_flip_bytes_leaves_a_checkpoint_that_reads_back_with_other_bytes(tmp_pat
         flip_bytes(tmp_path / "step_3")
         with pytest.raises(ChecksumMismatch, match="SHA-256 mismatch"):
             manager.restore(3, tree)
+
+
+@pytest.mark.parametrize(
+    "error, damaged",
+    [
+        (ValueError("DATA_LOSS: Error reading 000003/ocdbt.process_0/d/x"), True),
+        (FileNotFoundError("000001/manifest.ocdbt"), True),
+        (PermissionError(13, "Permission denied"), False),
+        (OSError(5, "Input/output error"), False),
+        (MemoryError(), False),
+        (ValueError("UNAVAILABLE: file system not mounted"), False),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_read_is_called_damaged_only_for_its_bytes(
+    tmp_path, monkeypatch, error, damaged
+):
+    """A read that fails for its files (orbax's data-loss errors, a missing file) is a
+    corrupted checkpoint, which the message says to delete; one that fails for the
+    reading (memory, permissions, an I/O error, a file system away) is not: its
+    message says to keep the checkpoint and names the cause."""
+    import numpy as np
+
+    from ocformer.checkpointing import CheckpointError, CorruptedCheckpoint
+
+    tree = {"a": np.arange(6, dtype=np.float32)}
+    with CheckpointManager(str(tmp_path)) as manager:
+        manager.save(1, tree)
+
+        class Failing:
+            def restore(self, *args, **kwargs):
+                raise error
+
+        monkeypatch.setattr(manager, "_orbax", lambda: Failing())
+        with pytest.raises(CheckpointError) as caught:
+            manager.restore(1, tree)
+    assert isinstance(caught.value, CorruptedCheckpoint) == damaged, caught.value
+    message = str(caught.value)
+    assert ("Delete that directory" in message) == damaged, message
+    assert type(error).__name__ in message
+    if not damaged:
+        assert "keeping the checkpoint" in message
 
 
 def test_flipped_bytes_fall_back_to_the_previous_checkpoint(reference, tmp_path, capsys):
@@ -783,3 +831,27 @@ def test_a_run_recorded_with_fields_its_version_ignored_still_loads(reference, t
     assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 15))
     assert cli.main(argv(workdir, "train.steps=16", "discretisation.chunks=2")) == 2
     assert "depth_parallel is none and the serial solve ignores it" in capsys.readouterr().err
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    """A write that fails (a full disk at the rename) leaves the previous content and no
+    temporary file; the start-up sweep removes only the temporaries' own names."""
+    import errno
+
+    from ocformer.checkpointing import atomic_write_text, remove_stale_temporaries
+
+    path = tmp_path / "results.md"
+    atomic_write_text(str(path), "old\n")
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_text(str(path), "new\n")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["results.md"] and path.read_text() == "old\n"
+    for name in ("config.json.tmp-4242", "notes.tmp-draft.txt", "x.tmp-"):
+        (tmp_path / name).write_text("")
+    assert remove_stale_temporaries(str(tmp_path)) == ["config.json.tmp-4242"]
+    assert sorted(os.listdir(tmp_path)) == ["notes.tmp-draft.txt", "results.md", "x.tmp-"]

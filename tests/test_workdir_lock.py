@@ -165,3 +165,28 @@ def test_a_run_in_progress_refuses_a_second_run(tmp_path, env):
     finally:
         kill(first)
     assert_free(workdir)
+
+
+@pytest.mark.parametrize("failing", ["ftruncate", "flock"])
+def test_a_lock_that_cannot_be_taken_or_written_is_not_kept(tmp_path, monkeypatch, failing):
+    """A full disk while the holder is written, or a file system without locks: a
+    WorkdirError naming the cause, and nothing held afterwards (the descriptor is
+    closed, so the directory stays free for the next try)."""
+    import errno
+    import fcntl
+
+    real = {"ftruncate": os.ftruncate, "flock": fcntl.flock}[failing]
+    code = {"ftruncate": errno.ENOSPC, "flock": errno.ENOLCK}[failing]
+
+    def fail(*args):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os if failing == "ftruncate" else fcntl, failing, fail)
+    lock = DirectoryLock(str(tmp_path))
+    with pytest.raises(WorkdirError, match=os.strerror(code)):
+        lock.acquire()
+    assert not lock.held
+    monkeypatch.setattr(os if failing == "ftruncate" else fcntl, failing, real)
+    other = DirectoryLock(str(tmp_path)).acquire()  # free: no descriptor kept the flock
+    assert other.held
+    other.release()

@@ -1,6 +1,11 @@
 """Atomic file replacement: a reader sees the old file or the new one, never a torn one."""
 
+import contextlib
 import os
+import re
+
+# The name atomic_write_text gives its temporary files, and no other.
+_TEMPORARY = re.compile(r".+\.tmp-\d+")
 
 
 def _fsync_dir(directory: str) -> None:
@@ -20,26 +25,33 @@ def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``.
 
     ``os.replace`` is atomic on POSIX within one file system, so a process killed at any
-    moment leaves either the previous content or the new one; the temporary file (named
-    ``<path>.tmp-<pid>``) is removed by ``remove_stale_temporaries`` on the next start.
+    moment leaves either the previous content or the new one. The temporary file (named
+    ``<path>.tmp-<pid>``) is removed when the write fails; one a killed process left is
+    removed by ``remove_stale_temporaries`` on the next start.
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a Ctrl-C: no temporary left where no one looks
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     _fsync_dir(directory)
 
 
 def remove_stale_temporaries(directory: str) -> list[str]:
-    """Delete ``*.tmp-<pid>`` files left in ``directory`` by killed writers."""
+    """Delete the ``<name>.tmp-<pid>`` files left in ``directory`` by killed writers
+    (a name that merely contains ``.tmp-`` is not one)."""
     removed = []
     if not os.path.isdir(directory):
         return removed
     for name in os.listdir(directory):
-        if ".tmp-" in name and os.path.isfile(os.path.join(directory, name)):
+        if _TEMPORARY.fullmatch(name) and os.path.isfile(os.path.join(directory, name)):
             os.remove(os.path.join(directory, name))
             removed.append(name)
     return removed

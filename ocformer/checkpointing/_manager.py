@@ -159,6 +159,21 @@ def _draining_event_loops():
         asyncio.set_event_loop_policy(previous)
 
 
+# Status codes of tensorstore (orbax's reader) that say a read failed for a reason of
+# the moment (the file system, the memory, a permission), not that the bytes are bad.
+_TRANSIENT = ("PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED")
+
+
+def _damage(e: BaseException) -> bool:
+    """Whether a failure to read a checkpoint means its files are damaged, as opposed to
+    a failure of the reading (then deleting the checkpoint would lose a good one)."""
+    if isinstance(e, MemoryError | PermissionError):
+        return False
+    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError | IsADirectoryError):
+        return False  # an I/O error, a timeout of a network file system: not the bytes
+    return not any(code in str(e) for code in _TRANSIENT)
+
+
 class CheckpointManager:
     """Save and restore pytrees of arrays under ``directory``, keeping the newest ``keep``.
 
@@ -391,6 +406,12 @@ class CheckpointManager:
                 payload = self._orbax().restore(path, restore_args=whole)
             arrays = [np.asarray(payload[f"{i:06d}"]) for i in range(len(want))]
         except Exception as e:  # orbax raises many kinds for damaged files
+            if not _damage(e):
+                raise CheckpointError(
+                    f"checkpoint {path} could not be read ({type(e).__name__}: "
+                    f"{str(e)[:300]}); nothing says it is damaged: fix the cause (memory, "
+                    "permissions, the file system) and run again, keeping the checkpoint"
+                ) from e
             # Orbax names an array by its key in this file ("000003"); say which it is,
             # by the name the marker records (every reader names it alike).
             keys = sorted({int(k) for k in re.findall(r"\b(\d{6})/", str(e))})

@@ -11,6 +11,7 @@ whole, never a mix of two.
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -229,10 +230,47 @@ def _sibling(path: str, kind: str) -> str:
     return os.path.join(os.path.dirname(path), name)
 
 
+def recover_interrupted(path: str) -> None:
+    """Tidy what an export to ``path`` killed part-way left beside it: its staging
+    directory is removed, and the old export it had moved aside is put back when
+    nothing took its place (the kill came between ``_replace_directory``'s two
+    renames). Siblings of an export still running (its process alive) are left alone."""
+    folder, base = os.path.split(path)
+    left = re.compile(rf"\.{re.escape(base)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}")
+    try:
+        names = sorted(os.listdir(folder or "."))
+    except OSError:
+        return
+    for name in names:
+        match = left.fullmatch(name)
+        if match is None or _running(int(match[2])):
+            continue
+        full = os.path.join(folder, name)
+        if match[1] == "old" and not os.path.lexists(path):
+            os.rename(full, path)
+        else:
+            shutil.rmtree(full, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` (not this one) exists."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
 def _replace_directory(new: str, path: str) -> None:
     """Put the finished directory ``new`` at ``path`` (a sibling): by one rename when
     ``path`` is absent or empty, else by moving the old directory aside first, so that
-    ``path`` holds either the old or the new checkpoint whole, never a mix."""
+    ``path`` holds either the old or the new checkpoint whole, never a mix (a kill
+    between the two renames leaves the old one aside, hidden; the next export to
+    ``path``, through ``recover_interrupted``, puts it back first)."""
     try:
         os.rename(new, path)  # replaces an empty directory too
         return

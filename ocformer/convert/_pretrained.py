@@ -26,6 +26,7 @@ from ._directory import (
     check_extra_files,
     read_config,
     read_tensors,
+    recover_interrupted,
     tensor_shapes,
     weight_files,
     write_directory,
@@ -151,6 +152,7 @@ def to_pretrained(
     check_standard(model.transformer, "to_pretrained")
     files = check_extra_files(files)
     path = os.path.abspath(os.fspath(path))
+    recover_interrupted(path)
     check_destination(path, overwrite)
     config = json.loads(model.source_config)
     family = _family(config)

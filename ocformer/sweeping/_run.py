@@ -232,8 +232,13 @@ def _run_logged(
             finished.set()
             if beats.is_alive():
                 beats.join()
+            if proc.returncode is None:
+                # Left by an exception (of on_start, say): the point is not run unwatched.
+                stop_processes([proc], STOP_GRACE_S)
+                proc.wait()
             with _children_lock:
                 _children.discard(proc)
+    assert proc.returncode is not None  # waited for above
     wall = time.perf_counter() - started
     lines, compile_s, hits = _read_log(log_path, offset)
     out = {

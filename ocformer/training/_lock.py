@@ -70,8 +70,14 @@ class DirectoryLock:
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as e:
             os.close(fd)
+            if not isinstance(e, BlockingIOError):  # no locks on this file system (ENOLCK)
+                raise WorkdirError(
+                    f"{self._what} {self.directory} cannot be locked for writing "
+                    f"({self.path}: {e.strerror}); choose another {self._flag} on a file "
+                    "system that supports locks"
+                ) from None
             raise WorkdirError(
                 f"{self._what} {self.directory} is in use: another ocformer process "
                 f"({_holder(self.path)}) is writing to it and holds {self.path}. Two "
@@ -80,8 +86,15 @@ class DirectoryLock:
                 f"{self._flag}"
             ) from None
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, record.encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+        except OSError as e:  # a full disk, a quota: the lock is not kept for nothing
+            os.close(fd)
+            raise WorkdirError(
+                f"{self._what} {self.directory} cannot be written ({self.path}: "
+                f"{e.strerror}); free space there or choose another {self._flag}"
+            ) from None
         self._fd = fd
         return self
 

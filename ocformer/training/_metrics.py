@@ -47,8 +47,9 @@ class MetricsLog:
         Drops a partial last line (a line without its newline that is not a whole
         record: the write a kill interrupted), lines that are not records, and the
         records of steps after ``step`` (logged after the restored checkpoint, which
-        the resumed run logs again). Kept lines are kept byte for byte; the file is
-        replaced atomically, and only if something was dropped.
+        the resumed run logs again). Kept lines are kept byte for byte, each ending in a
+        newline; the file is replaced atomically, and only if something was dropped or
+        the last line had no newline.
 
         Returns:
             One warning per kind of line dropped (empty if the file was intact).
@@ -83,7 +84,9 @@ class MetricsLog:
                 f"{self.path}: rewound to {since}: dropped {later} record(s) of later "
                 "steps, which this run computes again"
             )
-        if warnings:
+        # A whole last record without its newline (the kill came between the two) is
+        # kept, and given its newline: the next record must not be glued onto it.
+        if warnings or tail:
             text = b"".join(line + b"\n" for line in kept).decode("utf-8")
             atomic_write_text(self.path, text)
         return warnings
