@@ -965,3 +965,24 @@ def test_launch_refuses_bad_invocations(capsys, monkeypatch):
     monkeypatch.setenv("PATH", "")
     assert launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "1", "--", "x"]) == 2
     assert "sbatch not found" in capsys.readouterr().err
+
+
+def test_a_failed_count_check_names_the_store_s_error(monkeypatch):
+    """A process whose peer's count cannot be read says why (the key-value store's
+    first line), not only that the peer did not join."""
+    from ocformer.distributed import DistributedError, _process
+
+    class Client:
+        def key_value_set(self, key, value):
+            pass
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            raise RuntimeError("UNAVAILABLE: the coordinator went away\nmore detail")
+
+    monkeypatch.setattr(_process.jax_distributed_state, "client", Client())
+    with pytest.raises(DistributedError) as e:
+        _process._check_counts(2, 0, 5)
+    assert "process 1 of 2 did not join within 5s (UNAVAILABLE: the coordinator went away)" in (
+        str(e.value)
+    )
+    assert "more detail" not in str(e.value)

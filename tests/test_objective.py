@@ -260,3 +260,10 @@ def test_evaluate_refuses_a_model_that_does_not_fit_the_configuration():
     assert np.isfinite(evaluate(config(5), model)["val_loss"])
     with pytest.raises(ValueError, match=r"embedding.tokens has shape \(5, 8\), .* \(7, 8\)"):
         evaluate(config(7), model)
+    # Another kind of head (here one without a bias): named, not compared leaf by leaf
+    # with the wrong arrays.
+    import equinox as eqx
+
+    unbiased = eqx.tree_at(lambda m: m.head.bias, model, None)
+    with pytest.raises(ValueError, match=r"head\.bias is missing from the model"):
+        evaluate(config(5), unbiased)

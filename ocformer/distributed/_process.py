@@ -183,10 +183,11 @@ def _check_counts(num_processes: int, process_id: int, timeout_s: int) -> None:
             theirs = client.blocking_key_value_get(
                 f"ocformer/num_processes/{other}", timeout_s * 1000
             )
-        except Exception:
+        except Exception as e:  # the store's timeout, or a coordinator gone
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DistributedError(
-                f"process {other} of {num_processes} did not join within {timeout_s}s; "
-                "every process must be started with the same --num-processes "
+                f"process {other} of {num_processes} did not join within {timeout_s}s "
+                f"({first}); every process must be started with the same --num-processes "
                 f"({num_processes} here)"
             ) from None
         if int(theirs) != num_processes:

@@ -231,7 +231,18 @@ def _check_model_fits(model, built) -> None:
             continue
         leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(mine, eqx.is_array))
         expected = jax.tree_util.tree_leaves_with_path(eqx.filter(theirs, eqx.is_array))
-        for (path, a), (_, b) in zip(leaves, expected, strict=False):
+        have = {jax.tree_util.keystr(p) for p, _ in leaves}
+        want = {jax.tree_util.keystr(p) for p, _ in expected}
+        if have != want:  # another kind of embedding or head (a class token, a bias, ...)
+            differ = sorted(have ^ want)[0]
+            raise ValueError(
+                f"the model does not fit the configuration: {part}{differ} is "
+                f"{'only in the model' if differ in have else 'missing from the model'} "
+                f"({type(mine).__name__} against the configuration's "
+                f"{type(theirs).__name__}); evaluate the model with the configuration it "
+                "was built from."
+            )
+        for (path, a), (_, b) in zip(leaves, expected, strict=True):
             if a.shape != b.shape:
                 name = f"{part}{jax.tree_util.keystr(path)}"
                 raise ValueError(

@@ -382,10 +382,9 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
     ``final_val_loss_vs_cost_nfe.png``, the accuracy-cost picture, one line per
     trained model through its evaluations where the sweep has evaluation axes. The
     plots of an earlier report are removed first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # Figures of their own, not pyplot's: drawing a sweep's plots leaves the caller's
+    # backend (a notebook's) and its open figures as they were.
+    from matplotlib.figure import Figure
 
     keys = _group_keys(info)
     varying = [k for k in keys if len({json.dumps(g[k]) for g in groups}) > 1]
@@ -406,7 +405,6 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
         fig.tight_layout()
         path = os.path.join(folder, file)
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         written.append(path)
 
     def ylabel(m: str) -> str:
@@ -426,7 +424,8 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
             and len({g[m][0] for g in groups if g[m] is not None}) > 1
         ]
         for m in metrics:
-            fig, ax = plt.subplots(figsize=(5.5, 3.8))
+            fig = Figure(figsize=(5.5, 3.8))
+            ax = fig.subplots()
             lines: dict[tuple, list] = {}
             for g in groups:
                 if g[m] is not None:
@@ -474,7 +473,8 @@ def plot(groups: list[dict], info: dict, folder: str) -> list[str]:
         costed = [g for g in groups if g[cost] is not None and g["final_val_loss"] is not None]
         if len({g[cost][0] for g in costed}) < 2:
             continue
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        fig = Figure(figsize=(5.5, 3.8))
+        ax = fig.subplots()
         lines = {}
         for g in costed:
             lines.setdefault(tuple(str(g[k]) for k in categorical), []).append(g)
