@@ -191,6 +191,39 @@ def test_numbers_are_taken_as_numpy_gives_them_and_booleans_are_not():
             Discretisation(diffrax.Tsit5(), stepsize="pid", rtol=value)
 
 
+def test_a_bool_is_no_count_anywhere_and_a_numpy_integer_is_one():
+    """Counts and sizes of the tasks, the operators, the embeddings, the controls and a
+    checkpoint's config.json: ``True`` is refused by name (Python would take it as 1),
+    and the tasks take NumPy integers (a sweep's ``np.arange``) as the numbers they are."""
+    from ocformer.convert._family import read_int
+    from ocformer.integration import DiscretiseThenOptimise
+    from ocformer.models import TokenEmbedding
+    from ocformer.operators import ConvAttention
+    from ocformer.tasks import CopyTask, Digits
+
+    key = jax.random.key(0)
+    refusals = [
+        (lambda: CopyTask(seq_len=True, vocab_size=5), "seq_len must be an even integer"),
+        (lambda: CopyTask(seq_len=4, vocab_size=True), "vocab_size must be an integer >= 3"),
+        (lambda: Digits(patch_size=True), "patch_size must be a positive integer"),
+        (lambda: CopyTask(4, 5).batch("train", 0, True, 0), "batch_size must be an integer"),
+        (lambda: CopyTask(4, 5).eval_batches(2, True), "num_batches must be an integer"),
+        (lambda: Attention(num_heads=True), "num_heads must be a positive integer"),
+        (lambda: ConvAttention(num_heads=1, token_grid=(True, 2)), "token_grid must be"),
+        (lambda: TokenEmbedding(5, True, 4, key=key), "seq_len must be a positive integer"),
+        (lambda: DiscretiseThenOptimise(checkpoints=True), "checkpoints"),
+        (lambda: read_int({"n_layer": True}, "n_layer"), "n_layer must be a positive integer"),
+    ]
+    for make, words in refusals:
+        with pytest.raises(ValueError, match=words):
+            make()
+    task = CopyTask(np.int64(4), np.int64(5))
+    assert type(task.seq_len) is int and type(task.vocab_size) is int
+    assert Digits(np.int32(2)).seq_len == 17
+    first = CopyTask(4, 5).batch("train", np.int64(1), np.int64(3), np.int64(0))
+    assert all(np.array_equal(first[k], CopyTask(4, 5).batch("train", 1, 3, 0)[k]) for k in first)
+
+
 def test_a_layer_is_read_by_its_index_only():
     """``layer(np.int64(5))`` of a 2-layer model and ``layer(1.5)`` returned parameters
     (the control at a time past the end, or inside a piece) without a word."""

@@ -18,9 +18,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float
 
+from .._counts import whole_number
 from ..integration import GRADIENT_METHODS
 from ..models import ContinuousTransformer, IncompatibleError, SequenceModel, rediscretise
 from ..objective import cross_entropy
@@ -99,9 +99,7 @@ def gradient_check(
         raise ValueError(
             f"Unknown gradient methods {unknown}; known: {', '.join(GRADIENT_METHODS)}."
         )
-    if isinstance(directions, bool) or not (
-        isinstance(directions, int | np.integer) and directions >= 1
-    ):
+    if (whole_number(directions) or 0) < 1:
         raise ValueError(f"directions must be a whole number >= 1, got {directions!r}.")
     f, params = _control_loss(loss, model)
     leaves, treedef = jax.tree.flatten(params)

@@ -18,6 +18,7 @@ import jax.random as jr
 import jax.tree_util as jtu
 import numpy as np
 
+from .._counts import whole_number
 from ..controls._init import init_stacked_params
 from ..controls._make import make_control
 from ..integration import Discretisation
@@ -240,11 +241,9 @@ def convergence_study(
     eps_study = formulation == "relaxed" and relaxation_eps is None
     # The arguments before any model is built.
     given = list(np.asarray(steps).tolist() if hasattr(steps, "shape") else steps)
-    if not all(isinstance(m, int | np.integer) and not isinstance(m, bool) for m in given):
+    if any(whole_number(m) is None for m in given):
         raise ValueError(f"Step counts must be whole numbers >= 1, got {given}.")  # not truncated
-    if isinstance(reference_factor, bool) or not (
-        isinstance(reference_factor, int | np.integer) and reference_factor >= 1
-    ):
+    if (whole_number(reference_factor) or 0) < 1:
         raise ValueError(f"reference_factor must be a whole number >= 1, got {reference_factor!r}.")
     steps = sorted(int(m) for m in given)
     if steps and steps[0] < 1:

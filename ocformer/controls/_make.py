@@ -105,7 +105,7 @@ def make_control(
             return jnp.concatenate([x[:1], inner, x[-1:]], axis=0)
 
         return PiecewiseLinear(jtu.tree_map(nodes, values), t0, t1)
-    if not (isinstance(num_basis, int) and 1 <= num_basis <= L):
+    if type(num_basis) is not int or not 1 <= num_basis <= L:  # not a bool
         raise ValueError(
             f"num_basis={num_basis!r} must be an integer in [1, L={L}] to fit the per-layer "
             "values by least squares; pass a smaller num_basis or more layers."

@@ -68,7 +68,7 @@ def read_value(config: dict, key: str, default=None, *, required: bool = False):
 def read_int(config: dict, key: str, default=None) -> int:
     """A positive integer; required when there is no default."""
     value = read_value(config, key, default, required=default is None)
-    if not (isinstance(value, int) and value >= 1):
+    if type(value) is not int or value < 1:  # JSON's true is no size
         raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}.")
     return value
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from .._counts import whole_number
 from ..controls._control import PiecewiseConstant, stack_layers, unstack_layers
 from ..controls._params import AttentionParams, FeedForwardParams, LayerParams, NormParams
 from ..models._transformer import ContinuousTransformer, NormPosition
@@ -179,15 +180,13 @@ def from_layers(
             heads do not divide d, or an option is out of range.
     """
     d, _ = _check_layers(layers)
-    if isinstance(num_heads, np.integer):
-        num_heads = int(num_heads)
-    if isinstance(num_heads, bool) or not (
-        isinstance(num_heads, int) and num_heads >= 1 and d % num_heads == 0
-    ):
+    heads = whole_number(num_heads)
+    if heads is None or heads < 1 or d % heads:
         raise ValueError(
             f"num_heads={num_heads!r} must be a positive integer dividing d={d} "
             f"(e.g. one of {[h for h in range(1, d + 1) if d % h == 0][:8]})."
         )
+    num_heads = heads
     if isinstance(ln_eps, bool) or not (
         isinstance(ln_eps, int | float | np.floating) and math.isfinite(ln_eps) and ln_eps >= 0
     ):

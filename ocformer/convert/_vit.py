@@ -31,7 +31,7 @@ def _side(c: dict, key: str) -> int:
     value = read_value(c, key, required=True)
     if isinstance(value, (list, tuple)) and len(value) == 2 and value[0] == value[1]:
         value = value[0]
-    if not (isinstance(value, int) and value >= 1):
+    if type(value) is not int or value < 1:  # JSON's true is no size
         raise ValueError(
             f"config.json: {key} must be a positive integer (square images and patches), "
             f"got {value!r}."

@@ -9,7 +9,6 @@ controls, readout) and rebuilds everything else from the changed configuration.
 
 import dataclasses
 import math
-import operator
 import time
 from collections.abc import Sequence
 
@@ -19,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._counts import whole_number
 from ..config import (
     Config,
     ConfigError,
@@ -154,17 +154,13 @@ def count_evaluations(stepper, num_steps: int, jumps: int = 0) -> int | None:
     evaluate their first stage again after each of the ``jumps`` of the control the
     solve steps over (``ocformer.integration.jumps_stepped_over``); ``None`` where
     ``evaluations_per_step`` is."""
-    try:  # Python, NumPy or concrete JAX integers (diffrax's statistics are arrays)
-        if isinstance(num_steps, bool) or isinstance(jumps, bool):
-            raise TypeError
-        counts = operator.index(num_steps), operator.index(jumps)
-    except TypeError:
-        counts = (-1, -1)
-    if min(counts) < 0:
+    # Python, NumPy or concrete JAX integers (diffrax's statistics are arrays).
+    steps, jumped = whole_number(num_steps), whole_number(jumps)
+    if steps is None or jumped is None or min(steps, jumped) < 0:
         raise ValueError(
             f"num_steps and jumps must be whole numbers >= 0, got {num_steps!r} and {jumps!r}."
         )
-    num_steps, jumps = counts
+    num_steps, jumps = steps, jumped
     per_step = evaluations_per_step(stepper)
     if per_step is None:
         return None

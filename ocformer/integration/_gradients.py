@@ -55,7 +55,7 @@ class DiscretiseThenOptimise(AbstractGradientMethod):
 
     def __check_init__(self):
         if self.checkpoints is not None and not (
-            isinstance(self.checkpoints, int) and self.checkpoints >= 1
+            type(self.checkpoints) is int and self.checkpoints >= 1  # not a bool
         ):
             raise ValueError(
                 f"checkpoints must be a positive integer or None, got {self.checkpoints!r}."

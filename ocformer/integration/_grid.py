@@ -10,6 +10,7 @@ import numpy as np
 from diffrax import RESULTS
 from jaxtyping import Array, Bool, Float
 
+from .._counts import whole_number
 from ..controls import AbstractControl
 from ..operators import wide_dtype
 from ..splitting import AbstractSplittingSolver, inner_solver
@@ -32,11 +33,9 @@ def check_steps_per_layer(steps_per_layer) -> int:
     Raises:
         ValueError: naming the value received.
     """
-    m = steps_per_layer
-    if isinstance(m, np.integer):  # from np.arange, a sweep's grid
-        m = int(m)
-    if not (isinstance(m, int) and not isinstance(m, bool) and m >= 1):
-        raise ValueError(f"steps_per_layer must be a positive integer, got {m!r}.")
+    m = whole_number(steps_per_layer)  # NumPy's from np.arange, a sweep's grid
+    if m is None or m < 1:
+        raise ValueError(f"steps_per_layer must be a positive integer, got {steps_per_layer!r}.")
     return m
 
 

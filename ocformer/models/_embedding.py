@@ -54,7 +54,7 @@ class AbstractEmbedding(eqx.Module):
 
 def _check_positive(**values) -> None:
     for name, value in values.items():
-        if not (isinstance(value, int) and value >= 1):
+        if type(value) is not int or value < 1:  # a bool is no count (True is not 1)
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 

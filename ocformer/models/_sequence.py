@@ -8,6 +8,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
+from .._counts import whole_number
 from ._embedding import (
     AbstractEmbedding,
     AbstractReadout,
@@ -190,16 +191,13 @@ class SequenceModel(eqx.Module):
                 f"the prompt holds ids outside the vocabulary 0..{vocab - 1}: "
                 f"{sorted({int(i) for i in prompt if not 0 <= i < vocab})[:5]}."
             )
-        if isinstance(num_new, bool) or not isinstance(num_new, int | np.integer) or num_new < 0:
+        count = whole_number(num_new)
+        if count is None or count < 0:
             raise ValueError(f"num_new must be an integer >= 0, got {num_new!r}.")
-        num_new = int(num_new)
+        num_new = count
         if not temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {temperature!r}.")
-        if vocab_size is not None and not (
-            isinstance(vocab_size, int | np.integer)
-            and not isinstance(vocab_size, bool)
-            and 1 <= vocab_size <= vocab
-        ):
+        if vocab_size is not None and not 1 <= (whole_number(vocab_size) or 0) <= vocab:
             raise ValueError(
                 f"vocab_size must be an integer in 1..{vocab} (the rows of the embedding's "
                 f"table), got {vocab_size!r}."

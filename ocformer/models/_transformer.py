@@ -12,6 +12,7 @@ import numpy as np
 from diffrax import MultiTerm
 from jaxtyping import Array, Float
 
+from .._counts import whole_number
 from .._custom_types import KeyMask, State
 from ..controls import AbstractControl, Basis, Constant, LayerParams, NormParams, PiecewiseLinear
 from ..dynamics import (
@@ -153,17 +154,13 @@ class ContinuousTransformer(eqx.Module):
                 f"function of time (e.g. PiecewiseConstant(params)), got {type(control).__name__}."
             )
         d = _feature_width(control)
-        if isinstance(num_heads, np.integer):
-            num_heads = int(num_heads)
-        if (
-            isinstance(num_heads, bool)
-            or not (isinstance(num_heads, int) and num_heads >= 1)
-            or d % num_heads
-        ):
+        heads = whole_number(num_heads)
+        if heads is None or heads < 1 or d % heads:
             raise ValueError(
                 f"num_heads={num_heads!r} must be a positive integer dividing the "
                 f"feature width d={d}."
             )
+        num_heads = heads
         if final_norm is not None and not (
             isinstance(final_norm, NormParams)
             and all(jnp.shape(x) in ((d,), ()) for x in (final_norm.scale, final_norm.bias))

@@ -76,7 +76,7 @@ class Attention(eqx.Module):
     kernel: str = eqx.field(default="xla", static=True)
 
     def __check_init__(self):
-        if not (isinstance(self.num_heads, int) and self.num_heads >= 1):
+        if type(self.num_heads) is not int or self.num_heads < 1:  # not a bool
             raise ValueError(
                 f"Attention.num_heads must be a positive integer, got {self.num_heads!r}."
             )

@@ -79,16 +79,16 @@ class ConvAttention(eqx.Module):
     causal: ClassVar[bool] = False
 
     def __check_init__(self):
-        if not (isinstance(self.num_heads, int) and self.num_heads >= 1):
+        if type(self.num_heads) is not int or self.num_heads < 1:  # not a bool
             raise ValueError(
                 f"ConvAttention.num_heads must be a positive integer, got {self.num_heads!r}."
             )
         rows_cols = tuple(self.token_grid)
-        if len(rows_cols) != 2 or not all(isinstance(s, int) and s >= 1 for s in rows_cols):
+        if len(rows_cols) != 2 or not all(type(s) is int and s >= 1 for s in rows_cols):
             raise ValueError(
                 f"ConvAttention.token_grid must be (rows, columns), got {self.token_grid!r}."
             )
-        if not (isinstance(self.num_prefix, int) and self.num_prefix >= 0):
+        if type(self.num_prefix) is not int or self.num_prefix < 0:
             raise ValueError(
                 f"ConvAttention.num_prefix must be an integer >= 0, got {self.num_prefix!r}."
             )

@@ -5,6 +5,8 @@ from typing import ClassVar, Literal
 
 import numpy as np
 
+from .._counts import whole_number
+
 TaskKind = Literal["lm", "classification"]
 SPLITS: tuple[str, ...] = ("train", "validation")
 # A number per split, mixed into the batch seed so that the two splits never share a
@@ -24,7 +26,7 @@ def check_split(split: str) -> int:
 
 def check_batch_args(index: int, batch_size: int, seed: int) -> None:
     for name, value, low in (("index", index, 0), ("batch_size", batch_size, 1), ("seed", seed, 0)):
-        if not (isinstance(value, (int, np.integer)) and value >= low):
+        if (whole := whole_number(value)) is None or whole < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
 
 
@@ -93,7 +95,7 @@ class AbstractTask(abc.ABC):
 
     def eval_batches(self, batch_size: int, num_batches: int, seed: int = 0) -> list[dict]:
         """A fixed validation set: batches 0 .. num_batches - 1 of the validation split."""
-        if not (isinstance(num_batches, int) and num_batches >= 1):
+        if (whole_number(num_batches) or 0) < 1:
             raise ValueError(f"num_batches must be an integer >= 1, got {num_batches!r}.")
         return [self.batch("validation", i, batch_size, seed) for i in range(num_batches)]
 

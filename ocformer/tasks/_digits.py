@@ -5,6 +5,7 @@ from typing import ClassVar, Literal, cast, final
 
 import numpy as np
 
+from .._counts import whole_number
 from ._base import AbstractTask, batch_rng, check_batch_args, check_rows, check_split
 
 NUM_VALIDATION = 297  # 1797 images: 1500 for training, 297 held out.
@@ -42,14 +43,14 @@ class Digits(AbstractTask):
     image_shape: ClassVar[tuple[int, int]] = (8, 8)
 
     def __init__(self, patch_size: int = 4):
-        if not (isinstance(patch_size, int) and patch_size >= 1 and 8 % patch_size == 0):
+        if (whole := whole_number(patch_size)) is None or whole < 1 or 8 % whole:
             raise ValueError(
                 f"patch_size must be a positive integer dividing 8 (1, 2, 4 or 8), got "
                 f"{patch_size!r}."
             )
-        self.patch_size = patch_size
+        self.patch_size = whole
         self.num_classes = 10
-        self.seq_len = (8 // patch_size) ** 2 + 1
+        self.seq_len = (8 // whole) ** 2 + 1
         images, labels = _digits()
         cut = len(labels) - NUM_VALIDATION
         self.splits = {

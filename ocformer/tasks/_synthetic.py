@@ -5,6 +5,7 @@ from typing import ClassVar, Literal, final
 
 import numpy as np
 
+from .._counts import whole_number
 from ._base import AbstractTask, batch_rng, check_batch_args, check_rows, check_split
 
 SEPARATOR = 0
@@ -23,18 +24,18 @@ class AbstractSymbolTask(AbstractTask):
     num_classes: None = None
 
     def __init__(self, seq_len: int, vocab_size: int):
-        if not (isinstance(seq_len, int) and seq_len >= 2 and seq_len % 2 == 0):
+        if (n := whole_number(seq_len)) is None or n < 2 or n % 2:
             raise ValueError(
                 f"seq_len must be an even integer >= 2 (a source of seq_len/2 symbols, "
                 f"the separator, its target), got {seq_len!r}."
             )
-        if not (isinstance(vocab_size, int) and vocab_size >= 3):
+        if (v := whole_number(vocab_size)) is None or v < 3:
             raise ValueError(
                 f"vocab_size must be an integer >= 3 (the separator 0 and at least two "
                 f"symbols), got {vocab_size!r}."
             )
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
+        self.seq_len = n
+        self.vocab_size = v
 
     @abc.abstractmethod
     def target(self, source: np.ndarray) -> np.ndarray:

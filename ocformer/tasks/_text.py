@@ -6,6 +6,7 @@ from typing import Literal, final, get_args
 
 import numpy as np
 
+from .._counts import whole_number
 from ._base import (
     AbstractTextTask,
     DataNotFoundError,
@@ -132,9 +133,9 @@ class AbstractCharTask(AbstractTextTask):
 
 
 def _check_seq_len(seq_len) -> int:
-    if not (isinstance(seq_len, int) and seq_len >= 1):
+    if (whole := whole_number(seq_len)) is None or whole < 1:
         raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}.")
-    return seq_len
+    return whole
 
 
 @final

@@ -5,6 +5,7 @@ from typing import final
 
 import numpy as np
 
+from .._counts import whole_number
 from ._base import (
     AbstractTextTask,
     batch_rng,
@@ -42,9 +43,9 @@ class Tokens(AbstractTextTask):
     vocab_size: int
 
     def __init__(self, path: str | os.PathLike, seq_len: int):
-        if not (isinstance(seq_len, int) and seq_len >= 1):
+        if (whole := whole_number(seq_len)) is None or whole < 1:
             raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}.")
-        self.seq_len = seq_len
+        self.seq_len = whole
         self.dataset = open_dataset(path)
         self.vocab_size = self.dataset.vocab_size
         for split, data in self.dataset.splits.items():

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 
 from .. import controls
+from .._counts import whole_number
 from ..checkpointing import CheckpointError, CheckpointManager
 from ..config import Config, ConfigError, as_recorded, from_dict, stepper_object, validate
 from ..config._explicit import with_field
@@ -279,7 +280,7 @@ def restore_run(
         ocformer.checkpointing.CheckpointError: a corrupted or mismatched checkpoint.
         ValueError: ``step`` is not a whole number (``"10"`` for ``10``).
     """
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int | np.integer)):
+    if step is not None and whole_number(step) is None:
         raise ValueError(f"step must be a whole number or None, got {step!r}.")
     path = os.path.abspath(os.fspath(workdir))
     if not os.path.exists(path):
