@@ -632,3 +632,29 @@ def test_an_exported_tokenizer_is_read_by_autotokenizer_as_the_task_reads_it(
     theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")("the cat").input_ids
     ours = make_task("tokens", path=str(tmp_path / "ds"), seq_len=12).encode("the cat")
     assert list(theirs) == np.asarray(ours).tolist() and len(theirs) == 7
+
+
+def test_a_start_outside_the_constraint_set_is_refused_not_clamped(
+    experiment, gpt2, tmp_path, capsys
+):
+    """A checkpoint with negative layer-norm gains: under the default sigma floor the
+    first update, however small, would set them to the floor (a silent change of the
+    pretrained model), so the run is refused before anything is written, naming the
+    lowest gain and the fix; with the floor off it trains and they stay negative."""
+    source = tmp_path / "negative"
+    model = GPT2LMHeadModel.from_pretrained(gpt2[0], torch_dtype=torch.float64)
+    with torch.no_grad():
+        model.transformer.h[1].ln_1.weight[:3] = torch.tensor([-1.5, -0.25, 5e-4])
+    model.save_pretrained(source)
+    argv = ["--config", experiment, "--workdir", str(tmp_path / "run")]
+    sets = [*QUIET, f"model.init_from={source}", "optimiser.learning_rate=1e-9"]
+    capsys.readouterr()
+    assert train_cli.main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert "objective.sigma_floor: the start" in err and "(the lowest is -1.5)" in err, err
+    assert "set objective.sigma_floor=none" in err
+    assert not os.path.exists(tmp_path / "run")
+    _train(experiment, tmp_path / "run", *sets[1:], "objective.sigma_floor=none")
+    trained = load_run(tmp_path / "run")[1]
+    gains = np.asarray(trained.transformer.layer(1).norm1.scale)  # the second layer's ln_1
+    np.testing.assert_allclose(gains[:3], [-1.5, -0.25, 5e-4], rtol=1e-6, atol=1e-8)

@@ -35,6 +35,7 @@ from ..models import (
     TokenEmbedding,
     reformulate,
 )
+from ..objective import Constraints
 from ..operators import ConvAttention
 from ..tasks import TOKENIZER_FILE, Tokens
 from ._rundir import RUN_MARKER, run_record
@@ -334,6 +335,40 @@ def warn_of_tokenizer_mismatch(config: Config, task) -> None:
     """Print ``tokenizer_mismatch``'s warning on stderr, if there is one."""
     if (mismatch := tokenizer_mismatch(config, task)) is not None:
         print(f"ocformer: warning: {mismatch}", file=sys.stderr, flush=True)
+
+
+def check_admissible(config: Config, model: SequenceModel, constraints: Constraints) -> None:
+    """The start lies in the run's admissible set: training projects every update onto
+    it (``objective.sigma_floor``, ``objective.kernel_bound``), so a pretrained start
+    outside it (a checkpoint's negative layer-norm gains, say) would be changed by the
+    first update, however small, without a word.
+
+    Raises:
+        ConfigError: on the constraint the start violates, with the amount and the fix.
+    """
+    gaps = constraints.violation(model)
+    source = config.model.init_from
+    if gaps["sigma_floor"] > 0:
+        floor = config.objective.sigma_floor
+        lowest = float(floor) - gaps["sigma_floor"]  # type: ignore[arg-type]
+        raise ConfigError(
+            "objective.sigma_floor",
+            f"the start {source} has layer-norm gains below the floor {floor} (the lowest "
+            f"is {lowest:.6g}): training projects each update onto the floor, so the first "
+            "one would raise them to it and change the pretrained model; set "
+            "objective.sigma_floor=none to train without the floor, or a floor below "
+            f"{lowest:.6g} if it is positive",
+        )
+    if gaps["kernel_norm"] > 0:
+        bound = config.objective.kernel_bound
+        raise ConfigError(
+            "objective.kernel_bound",
+            f"the start {source} has kernels whose {config.objective.kernel_norm} norm "
+            f"exceeds objective.kernel_bound={bound} by up to {gaps['kernel_norm']:.6g}: "
+            "the first update would project them onto the bound and change the pretrained "
+            "model; raise the bound, or set objective.kernel_norm=none and "
+            "objective.kernel_bound=none",
+        )
 
 
 def _kind(model: SequenceModel) -> str:

@@ -50,7 +50,7 @@ from ..tasks import AbstractTask, AbstractTextTask
 from ._build import Experiment, build, build_from_own_checkpoint
 from ._depth_fallback import DepthFallback, carry_state
 from ._errors import NonFiniteError, Preempted, SolverFailure
-from ._init_from import warn_of_tokenizer_mismatch
+from ._init_from import check_admissible, warn_of_tokenizer_mismatch
 from ._optimiser import make_schedule, with_schedule
 from ._preempt import PreemptionGuard
 from ._rundir import RunDirectory
@@ -464,6 +464,8 @@ def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
     if run.resumable():
         return build_from_own_checkpoint(config, run.path, mesh=layout.mesh)
     exp = build(config, mesh=layout.mesh)
+    if config.model.init_from is not None:
+        check_admissible(config, exp.model, exp.constraints)
     if is_primary():
         warn_of_tokenizer_mismatch(config, exp.task)
     return exp
