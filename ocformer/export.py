@@ -8,7 +8,9 @@ Only a run in the standard discretisation (the Lie scheme, one explicit-Euler st
 layer solved serially in depth, piecewise-constant controls, the split formulation) can
 be exported: that discretisation *is* the layer stack which ``transformers`` evaluates;
 any other is refused, naming the fields that differ. Only a model that started from a checkpoint
-(``model.init_from``) has a format to be written back in.
+(``model.init_from``) has a format to be written back in. A run trained with ternary
+feed-forward kernels (``objective.ternary``) is written with them, ``Q(W)``, which it
+trained and evaluates with, not with the latent kernels its checkpoints store.
 
 A destination that holds files ocformer did not write is refused unless ``--overwrite``
 (which replaces it whole); the checkpoint the run started from and the work directory
@@ -27,6 +29,7 @@ from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import to_pretrained
+from .objective import Ternary, feedforward_kernels, with_feedforward_kernels
 from .tasks import TOKENIZER_FILE
 from .training import ExitCode, WorkdirError, enable_x64_for_run, load_run, run_record
 
@@ -106,6 +109,12 @@ def export(
             "no checkpoint format to be written back in; start it with "
             "--set model.init_from=DIR to export it",
         )
+    if config.objective.ternary:
+        # The kernels the run trained and evaluates with are Q(W), not the latent W the
+        # checkpoint stores (the straight-through estimator's): those are exported.
+        ternary = Ternary(config.objective.ternary_sparsity)
+        kernels = ternary.project(feedforward_kernels(model))  # type: ignore[arg-type]
+        model = with_feedforward_kernels(model, kernels)  # type: ignore[arg-type]
     path = os.path.abspath(os.fspath(to))
     for other, what in [
         (_started_from(workdir), "the checkpoint this run started from (model.init_from), "

@@ -658,3 +658,30 @@ def test_a_start_outside_the_constraint_set_is_refused_not_clamped(
     trained = load_run(tmp_path / "run")[1]
     gains = np.asarray(trained.transformer.layer(1).norm1.scale)  # the second layer's ln_1
     np.testing.assert_allclose(gains[:3], [-1.5, -0.25, 5e-4], rtol=1e-6, atol=1e-8)
+
+
+def test_a_ternary_run_is_exported_with_the_kernels_it_computes_with(experiment, gpt2, tmp_path):
+    """``objective.ternary``: the checkpoints store the latent controls W, the run trains
+    and evaluates with Q(W); the export's kernels are E + Q(W) (the feed-forward maps
+    are the identity-like E plus the control: one magnitude per layer and map, or zero,
+    off E), and transformers' logits are those of the model the run evaluates with."""
+    from ocformer.objective import Ternary, feedforward_kernels, with_feedforward_kernels
+
+    run = tmp_path / "run"
+    _train(experiment, run, f"model.init_from={gpt2[0]}", "objective.ternary=true")
+    _, latent = load_run(run)
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    for block in hf.transformer.h:
+        for kernel in (block.mlp.c_fc.weight, block.mlp.c_proj.weight):
+            control = kernel.detach().numpy() - np.eye(*kernel.shape, dtype=np.float32)
+            magnitudes = np.abs(control)[np.abs(control) > 1e-6]  # (1 + q) - 1: rounding
+            assert np.ptp(magnitudes) < 1e-6 * magnitudes.max(), np.unique(magnitudes)
+    ternary = with_feedforward_kernels(latent, Ternary(0.0).project(feedforward_kernels(latent)))
+    ids = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.double().numpy()
+    for model, agrees in ((ternary, True), (latent, False)):
+        ours = np.asarray(model(jnp.asarray(ids)), np.float64)
+        close = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-5
+        assert close == agrees
