@@ -131,7 +131,7 @@ def export(
                 "whole) would destroy; write the export elsewhere",
             )
     with tempfile.TemporaryDirectory() as scratch:
-        files = _tokenizer_files(config.task.path, scratch)
+        files = _tokenizer_files(config.task.path, scratch, model.source_config)  # type: ignore[attr-defined]
         try:
             to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
         except ValueError as e:
@@ -139,18 +139,40 @@ def export(
     return path
 
 
-def _tokenizer_files(dataset: str | None, scratch: str) -> dict[str, str]:
+def _tokenizer_files(dataset: str | None, scratch: str, source_config: str) -> dict[str, str]:
     """The dataset's ``tokenizer.json`` (none: no files) with a
     ``tokenizer_config.json`` that names the fast tokenizer which reads it. Without
     one, ``AutoTokenizer`` picks the class of the checkpoint's ``model_type`` (GPT-2's
     byte-level tokenizer for ``gpt2``), which reads the file differently: a character
-    tokenizer's spaces are lost."""
+    tokenizer's spaces are lost. The settings also name the special tokens the model's
+    configuration gives ids to (``bos_token_id``, ``eos_token_id``, ``pad_token_id``)
+    where the tokenizer has a special token of that id: without them ``generate`` and
+    padding would not know GPT-2's ``<|endoftext|>``."""
     if dataset is None or not os.path.isfile(os.path.join(dataset, TOKENIZER_FILE)):
         return {}
+    tokenizer = os.path.join(dataset, TOKENIZER_FILE)
     settings = os.path.join(scratch, TOKENIZER_CONFIG_FILE)
     with open(settings, "w", encoding="utf-8") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f, indent=2)
-    return {TOKENIZER_FILE: os.path.join(dataset, TOKENIZER_FILE), TOKENIZER_CONFIG_FILE: settings}
+        special = _special_tokens(tokenizer, json.loads(source_config))
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **special}, f, indent=2)
+    return {TOKENIZER_FILE: tokenizer, TOKENIZER_CONFIG_FILE: settings}
+
+
+def _special_tokens(tokenizer: str, config: dict) -> dict[str, str]:
+    """``{"eos_token": "<|endoftext|>", ...}``: each of the model's special ids that
+    names one of the tokenizer's special (added) tokens."""
+    with open(tokenizer, encoding="utf-8") as f:
+        added = json.load(f).get("added_tokens") or []
+    by_id = {
+        t["id"]: t["content"]
+        for t in added
+        if isinstance(t, dict) and t.get("special") and isinstance(t.get("content"), str)
+    }
+    return {
+        f"{name}_token": by_id[config[f"{name}_token_id"]]
+        for name in ("bos", "eos", "pad")
+        if isinstance(config.get(f"{name}_token_id"), int) and config[f"{name}_token_id"] in by_id
+    }
 
 
 def _nesting(path: str, protected: str) -> str | None:

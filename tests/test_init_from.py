@@ -685,3 +685,34 @@ def test_a_ternary_run_is_exported_with_the_kernels_it_computes_with(experiment,
         ours = np.asarray(model(jnp.asarray(ids)), np.float64)
         close = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-5
         assert close == agrees
+
+
+def test_an_exported_tokenizer_names_the_model_s_special_tokens(experiment, gpt2, tmp_path):
+    """A dataset whose tokenizer has a special token at the id the checkpoint's
+    configuration names as its end (and start) of text: the export's settings name it,
+    so ``AutoTokenizer`` knows its EOS and BOS, as ``generate`` and padding need."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from ocformer.tasks import prepare_text
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
+    prepare_text([str(corpus)], "char", tmp_path / "chars", progress=False)
+    tok = Tokenizer.from_file(str(tmp_path / "chars" / "tokenizer.json"))
+    tok.add_special_tokens(["<|endoftext|>"])
+    end = tok.token_to_id("<|endoftext|>")
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    prepare_text([str(corpus)], str(tmp_path / "tok"), tmp_path / "ds", progress=False)
+    source = tmp_path / "gpt2"
+    model = GPT2LMHeadModel.from_pretrained(gpt2[0], torch_dtype=torch.float64)
+    model.config.bos_token_id = model.config.eos_token_id = end
+    model.save_pretrained(source)
+    run = tmp_path / "run"
+    task = ["task.name=tokens", f"task.path={tmp_path / 'ds'}", "train.steps=1"]
+    _train(experiment, run, f"model.init_from={source}", *task)
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert theirs.eos_token == theirs.bos_token == "<|endoftext|>"
+    assert theirs.eos_token_id == end and theirs.pad_token is None
