@@ -212,6 +212,35 @@ def test_small_chunks_give_the_same_files(tmp_path, tokenizer):
     assert ids.tolist() == _reference_ids(tmp_path / "many", text)
 
 
+@pytest.mark.parametrize("prefix_space", [True, False])
+def test_a_tokenizer_that_adds_a_prefix_space_encodes_each_file_whole(
+    corpus, tmp_path, capsys, prefix_space
+):
+    """A byte-level BPE whose pre-tokenizer adds a space before every text would give a
+    stray space token at each 64-byte chunk: the preparation finds that its ids depend
+    on the cuts, says so, and encodes each file whole; the ids are the tokenizer's own
+    of each file. Without the prefix space, no word, and the same ids by chunks."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root, a, b = corpus
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator([a, b], trainer)
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    files = [str(root / "a.txt"), str(root / "b.txt")]
+    capsys.readouterr()
+    prepare_text(files, str(tmp_path / "tok"), tmp_path / "ds", chunk_bytes=64, progress=False)
+    said = "so each file is encoded whole" in capsys.readouterr().err
+    assert said == prefix_space
+    assert _ids(tmp_path / "ds", "train.bin").tolist() == _reference_ids(tmp_path / "ds", a)
+    assert _ids(tmp_path / "ds", "val.bin").tolist() == _reference_ids(tmp_path / "ds", b)
+
+
 def test_text_without_spaces_splits_at_the_characters_of_the_split_byte(tmp_path):
     """One line of CJK text (no space or newline after 90 % of it) in fewer chunks than
     force a cut: validation starts at the first character boundary at or after the

@@ -179,6 +179,30 @@ def _last_cut(buf: bytes, end: int) -> int:
         width *= 4
 
 
+# The text a tokenizer's chunk-size independence is tried on: the start of the corpus.
+_PROBE_BYTES = 1 << 16
+
+
+def _cuts_change_ids(tok: Tokenizer, file: pathlib.Path) -> bool:
+    """Whether ``tok`` gives other ids for the start of ``file`` cut at chunk boundaries
+    (see the module docstring) than for it whole: a pre-tokenizer that adds a prefix
+    space to each text, or that reads the whole text as one piece, does. False where
+    the sample has no boundary or does not encode (the encoding proper reports that)."""
+    with open(file, "rb") as f:
+        sample = f.read(_PROBE_BYTES)
+    end = _last_cut(sample, len(sample))
+    cuts = [c for c in (_last_cut(sample, end // 2), end) if c > 0]
+    if not cuts:
+        return False
+    pieces = [sample[a:b] for a, b in zip([0, *cuts], [*cuts, len(sample)])]
+    try:
+        whole = encode(tok, sample[: len(sample)].decode("utf-8", errors="ignore"))
+        parts = [encode(tok, p.decode("utf-8", errors="ignore")) for p in pieces]
+    except Exception:  # tokenizers raises a bare Exception
+        return False
+    return not np.array_equal(whole, np.concatenate(parts))
+
+
 def _char_boundary(buf: bytes, at: int) -> int:
     """The first UTF-8 character boundary at or after ``at`` in ``buf``. Valid UTF-8 has
     one within 3 bytes; in invalid text this may be ``len(buf)``, and decoding the piece
@@ -405,6 +429,19 @@ def prepare_text(
     vocab_size = id_range(tok)
     dtype = dtype_for(vocab_size)
     table = char_table(tok) if spec.kind == "char" else None
+    encode_bytes = chunk_bytes
+    if spec.file is not None and _cuts_change_ids(tok, files[0]):
+        # The tokenizer's ids depend on where the text is cut (a prefix space added to
+        # every text, a SentencePiece-style whole-text piece): each file is encoded whole
+        # (each split's part of it), as the tokenizer would encode it.
+        encode_bytes = max(chunk_bytes, 1 + max(f.stat().st_size for f in files))
+        print(
+            f"ocformer: {tokenizer}: this tokenizer encodes a text cut in two otherwise "
+            "than the whole (it adds a prefix space, say), so each file is encoded whole: "
+            "memory grows with the largest file",
+            file=sys.stderr,
+            flush=True,
+        )
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -430,7 +467,7 @@ def prepare_text(
             }
             sources = {f: hashlib.sha256() for f in files}
             with bar("encoding") as b:
-                for piece in stream_pieces(files, chunk_bytes, b.update):
+                for piece in stream_pieces(files, encode_bytes, b.update):
                     sources[piece.file].update(piece.data)
                     text = piece.text()
                     if table is not None:
