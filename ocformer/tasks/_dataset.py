@@ -14,7 +14,9 @@ encoded on its own and its ids appended to the split's file, so memory is bounde
 the chunk (and, for BPE training, by the table of distinct words). A chunk ends just
 before a space or newline that follows a printable ASCII character: every pre-tokenizer
 of the ``char`` and ``bpe`` tokenizers (and of GPT-2-style byte-level ones) splits
-there anyway, so the ids do not depend on the chunk size. A run of more than
+there anyway, so the ids do not depend on the chunk size (a tokenizer given by path
+whose ids do, as one adding a prefix space to each text, is found on the corpus's start
+by ``_cuts_change_ids`` and encodes each file whole). A run of more than
 ``MAX_CHUNKS`` chunks without such a place is cut at a character boundary instead.
 Files are read in the order given and their ids concatenated; each file is encoded on
 its own.
