@@ -17,6 +17,9 @@ stays free. The defaults (``model.init_from=gpt2``, ``task.path=data/mine``) are
 paths above, relative to the directory the run starts in. AdamW at a fine-tuning rate,
 3e-5 after 100 warmup steps, cosine decay over 2000 steps of 8 windows of 256 tokens,
 with its decay on the weight matrices only (``optimiser.weight_decay_on=matrices``).
+No floor on the layer-norm gains (``objective.sigma_floor=none``): the checkpoint's
+gains are trained as they are, negative ones included (under a floor, a start with a
+gain below it is refused rather than clamped by the first update).
 
 Expected: under the default discretisation (Lie, one step per layer) the model before
 the first update is the checkpoint's, and its loss is that of ``transformers`` on the
@@ -27,7 +30,14 @@ result is recorded here: the checkpoint and the corpus are the user's and neithe
 ships with the project.
 """
 
-from ocformer.config import Config, ModelConfig, OptimiserConfig, TaskConfig, TrainConfig
+from ocformer.config import (
+    Config,
+    ModelConfig,
+    ObjectiveConfig,
+    OptimiserConfig,
+    TaskConfig,
+    TrainConfig,
+)
 
 
 def get_config(arg: str | None = None) -> Config:
@@ -42,6 +52,7 @@ def get_config(arg: str | None = None) -> Config:
             weight_decay=0.1,
             weight_decay_on="matrices",
         ),
+        objective=ObjectiveConfig(sigma_floor=None),
         task=TaskConfig(
             name="tokens",
             path="data/mine",
