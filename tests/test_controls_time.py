@@ -1,6 +1,7 @@
 """Controls as functions of time: values, derivatives, construction, and refinement."""
 
 import diffrax
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -207,6 +208,46 @@ def test_bfloat16_state_is_solved_on_a_float32_grid_and_cast_back():
     float32 = model.solve(u0.astype(jnp.float32)).ys
     assert float32 is not None
     assert float(jnp.max(jnp.abs(float32[-1] - reference[-1].astype(jnp.float32)))) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "layers, steps, t1, dtype, tol",
+    [(24, 5, 24.0, jnp.float32, 1e-5), (7, 3, 0.7, jnp.float64, 1e-12)],
+)
+def test_a_stage_never_reads_the_next_layer_whatever_the_grid_s_rounding(
+    layers, steps, t1, dtype, tol
+):
+    """Tsit5 on 24 layers x 5 steps in float32 (where a float32 linspace puts the jumps
+    at 1.0000001, 2.0000002, ...) and on 7 layers over [0, 0.7] in float64 (jumps at
+    0.1 k, not floats): the solve equals the same model solved a layer at a time (a
+    solve of its own each, with no jump inside) to rounding. When a grid point missed
+    its jump by an ulp, the last stage of every layer read the next layer's controls:
+    relative errors 0.2 and 1e-3. On the grid, a point on a jump is the first time of
+    the next piece and the float below it the last of the previous one."""
+    values = init_stacked_params(jr.key(0), layers, D, DFF, dtype=dtype, init_scale=0.5)
+    u0 = jr.normal(jr.key(1), (5, D), dtype)
+
+    def model(v, end):
+        return ContinuousTransformer(
+            PiecewiseConstant(v, 0.0, end),
+            norm="pre",
+            num_heads=2,
+            discretisation=Discretisation(diffrax.Tsit5(), steps_per_layer=steps),
+        )
+
+    control = model(values, t1).control
+    ts, _ = time_grid(control, steps, dtype)
+    on_jumps = np.asarray(ts)[steps:-1:steps]
+    pieces = control.index(jnp.asarray(on_jumps))
+    below = control.index(jnp.nextafter(jnp.asarray(on_jumps), -jnp.inf))
+    np.testing.assert_array_equal(pieces, np.arange(1, layers))
+    np.testing.assert_array_equal(below, np.arange(0, layers - 1))
+    solve = eqx.filter_jit(lambda m, u: m(u))
+    whole, u = solve(model(values, t1), u0), u0
+    for n in range(layers):
+        u = solve(model(jtu.tree_map(lambda x, n=n: x[n : n + 1], values), t1 / layers), u)
+    error = jnp.max(jnp.abs(whole - u)) / jnp.max(jnp.abs(u))
+    assert float(error) < tol, float(error)
 
 
 def test_grid_steps_take_diffrax_step_to_steps_without_host_callbacks():

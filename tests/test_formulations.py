@@ -301,3 +301,10 @@ def test_otd_refusals_give_the_reason_per_scheme_and_formulation(pre, post):
     with pytest.raises(IncompatibleError, match="projection sub-flows"):
         rediscretise(post_split, gradient=otd)
     rediscretise(pre, stepper=diffrax.Heun(), gradient=otd)  # the smooth ODE: allowed
+    # The relaxed formulation backward is an expansion of rate 1/eps: refused, with an
+    # explicit stepper and with an IMEX one (whose two terms the backsolve cannot take).
+    relaxed = reformulate(post, formulation="relaxed", relaxation_eps=1.0)
+    for stepper in (diffrax.Heun(), diffrax.KenCarp3()):
+        with pytest.raises(IncompatibleError, match="grow like exp.T/eps.") as info:
+            rediscretise(relaxed, stepper=stepper, steps_per_layer=8, gradient=otd)
+        assert info.value.field == "discretisation.gradient"

@@ -12,6 +12,25 @@ from jaxtyping import Array, Float
 from ._params import LayerParams
 
 
+def piece(t, jump_ts: np.ndarray | None) -> Array:
+    """The number of the jumps ``jump_ts`` (None: none) at or before ``t``: the piece of
+    the layer grid that holds ``t``, from 0.
+
+    The jumps are compared in ``t``'s own dtype, not located by arithmetic on ``t``:
+    a point of the time grid on a jump is that jump's time in the same dtype
+    (``ocformer.integration.time_grid``), so it is the first time of the next piece
+    and the float just below it the last of the previous one, whatever the rounding
+    (``(t - t0) * L / T`` floors 1.0000001 and 0.99999994 alike where the float32 grid
+    of 24 layers x 5 steps has its jump 1 ulp high).
+    """
+    t = jnp.asarray(t)
+    if not jnp.issubdtype(t.dtype, jnp.floating):
+        t = t.astype(jnp.result_type(float))
+    jumps = jnp.asarray(np.zeros(0) if jump_ts is None else jump_ts, t.dtype)
+    jumps = jumps.reshape((1,) * t.ndim + jumps.shape)
+    return jnp.sum(t[..., None] >= jumps, axis=-1, dtype=jnp.int32)
+
+
 def _leading_sizes(tree) -> set[int]:
     return {x.shape[0] for x in jtu.tree_leaves(tree) if hasattr(x, "shape")}
 
@@ -102,10 +121,9 @@ class PiecewiseConstant(AbstractControl):
         return np.linspace(self.t0, self.t1, n + 1)[1:-1]
 
     def index(self, t) -> Array:
-        """The piece that holds t (t in [t_n, t_{n+1}) gives n; clipped at the ends)."""
-        n = self.num_layers
-        pos = (t - self.t0) * (n / (self.t1 - self.t0))
-        return jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, n - 1)
+        """The piece that holds t (t in [t_n, t_{n+1}) gives n; clipped at the ends),
+        by ``piece``."""
+        return piece(t, self.jump_ts)
 
     def __call__(self, t) -> LayerParams:
         i = self.index(t)

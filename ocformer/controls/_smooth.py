@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._control import AbstractControl, _leading_sizes
+from ._control import AbstractControl, _leading_sizes, piece
 from ._params import LayerParams
 
 BasisFamily = Literal["legendre", "chebyshev"]
@@ -92,7 +92,8 @@ class PiecewiseLinear(AbstractControl):
     def _locate(self, t):
         n = self.num_layers
         pos = jnp.asarray((t - self.t0) * (n / (self.t1 - self.t0)))
-        i = jnp.clip(jnp.floor(pos).astype(jnp.int32), 0, n - 1)
+        # The piece as the grid's jumps say (see ``piece``); the weight from it.
+        i = piece(t, self.jump_ts)
         return i, pos - i.astype(pos.dtype)
 
     def _node(self, i):
