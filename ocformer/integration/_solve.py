@@ -32,6 +32,7 @@ def solve(
     *,
     key_mask=None,
     saveat: diffrax.SaveAt | None = None,
+    cast_back: bool = True,
 ) -> diffrax.Solution:
     """Solve the controlled equation over the control's interval with one ``diffeqsolve``.
 
@@ -55,7 +56,9 @@ def solve(
     ``u + dt * f`` are float32 sums, while the terms compute their fields (every matrix
     product of attention and the feed-forward maps) in the dtype of ``u0``
     (``DynamicsArgs.compute_dtype``). The saved states are cast back to the dtype of
-    ``u0``. With a float32 or float64 ``u0`` state and compute dtype are one.
+    ``u0`` unless ``cast_back`` is False (what is computed from their differences, the
+    kinetic energy, needs the state's own: a bfloat16 difference of nearby states is
+    mostly rounding). With a float32 or float64 ``u0`` state and compute dtype are one.
     """
     ts, num_steps = time_grid(control, discretisation.steps_per_layer, u0.dtype)
     stepper = bind_solver(stepper, terms)
@@ -88,7 +91,7 @@ def solve(
         # program out of JAX's persistent compilation cache (``GridSteps``).
         throw=adaptive,
     )
-    if sol.ys is None or jax.tree.leaves(sol.ys)[0].dtype == u0.dtype:
+    if not cast_back or sol.ys is None or jax.tree.leaves(sol.ys)[0].dtype == u0.dtype:
         return sol
     # The state was carried in the dtype of time (see above and ``time_dtype``).
     ys = jax.tree.map(lambda y: y.astype(u0.dtype), sol.ys)

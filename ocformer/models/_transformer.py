@@ -376,9 +376,13 @@ class ContinuousTransformer(eqx.Module):
         u0: State,
         key_mask: KeyMask | None = None,
         saveat: diffrax.SaveAt | None = None,
+        *,
+        cast_back: bool = True,
     ) -> diffrax.Solution:
         """The diffrax solution from u(0) = u0 (before any final projection); its
-        ``stats`` count the steps and vector-field evaluations.
+        ``stats`` count the steps and vector-field evaluations. The saved states are in
+        the dtype of ``u0``, or with ``cast_back=False`` in that of the state the solve
+        carries (float32 for a bfloat16 ``u0``: ``ocformer.integration.solve``).
 
         Under a depth-parallel discretisation the solution holds u(T) alone (the last
         iterate of ``depth_iterates``), with no statistics, and ``saveat`` is refused:
@@ -417,6 +421,7 @@ class ContinuousTransformer(eqx.Module):
             model.discretisation,
             key_mask=key_mask,
             saveat=saveat,
+            cast_back=cast_back,
         )
 
     def depth_iterates(
