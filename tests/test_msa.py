@@ -221,7 +221,7 @@ def test_j_decreases_at_every_iteration_above_the_penalty_threshold():
     assert np.any(np.diff(below) > 0), below
 
 
-def test_a_run_trains_by_msa_and_resumes_from_its_checkpoint(tmp_path):
+def test_a_run_trains_by_msa_and_resumes_from_its_checkpoint(tmp_path, capsys):
     """``train.method=msa`` through the command line: the metrics log holds J before
     and after each iteration, rho and the summed Hamiltonians; J falls on each batch,
     and a run resumed from the checkpoint of step 2 (which holds the MSA state)
@@ -234,7 +234,8 @@ def test_a_run_trains_by_msa_and_resumes_from_its_checkpoint(tmp_path):
     smoke = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", "smoke.py")
     workdir = str(tmp_path / "run")
     sets = ["train.method=msa", "train.msa_inner_steps=3", "train.msa_rho_growth=4",
-            "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false"]  # fmt: skip
+            "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false",
+            "optimiser.learning_rate=5.0"]  # fmt: skip
 
     def run(steps, *extra):
         argv = ["--config", smoke, "--workdir", workdir, "--set", f"train.steps={steps}", *extra]
@@ -243,10 +244,14 @@ def test_a_run_trains_by_msa_and_resumes_from_its_checkpoint(tmp_path):
         assert cli.main(argv) == 0
 
     run(2)
+    capsys.readouterr()
     run(3, "--allow-config-change")
+    assert "learning-rate schedule changes" not in capsys.readouterr().out  # msa has none
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "loss_after" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
+    # The rate msa applies (its inner optimiser's, constant), not the unused optimiser's.
+    assert {r["lr"] for r in records} == {3e-3}
     for r in records:
         assert r["loss_after"] < r["loss"]  # every iteration lowered J on its batch
     # rho = 1, then shrunk back to its floor after each decrease.

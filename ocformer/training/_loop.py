@@ -108,6 +108,8 @@ def _announce_schedule(previous: dict, config: Config, step: int, skipped: int) 
         old = from_dict(previous)
     except ValueError:
         return  # a configuration of another schema: the change list already said it
+    if config.train.method == "msa" or old.train.method == "msa":
+        return  # msa follows no schedule (the optimiser section is gradient training's)
     applied = step - skipped  # the schedule advances on applied updates only
     old_lr = float(np.asarray(make_schedule(old.optimiser, old.train.steps)(applied)))
     new_lr = float(np.asarray(make_schedule(config.optimiser, config.train.steps)(applied)))
@@ -662,7 +664,10 @@ class _Loop:
         # only).
         this_skipped = bool(bad) and bad[-1][0] == self.step
         applied = self.step - 1 - (self.skipped - int(this_skipped))
-        lr = float(np.asarray(self.exp.schedule(applied)))
+        if self.tc.method == "msa":  # no optimiser, no schedule: its inner rate, constant
+            lr = self.tc.msa_inner_learning_rate
+        else:
+            lr = float(np.asarray(self.exp.schedule(applied)))
         self.last = {"step": self.step, **values, "skipped_steps": self.skipped, "lr": lr}
 
     def _log(self, biased, evaluated: bool, guard: PreemptionGuard) -> None:
