@@ -284,6 +284,7 @@ class _Evaluation:
         else:
             self.batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in batches]
         self.task, self.tc, self.layout, self.template = task, tc, layout, exp.model
+        self.ternary = exp.objective.ternary
 
     def __call__(self, model, step: int) -> dict:
         try:
@@ -301,6 +302,8 @@ class _Evaluation:
             if not is_primary():
                 return None
             model = eqx.combine(jax.tree.map(jnp.asarray, params), self.template)
+        if self.ternary is not None:  # the kernels the objective computes with, as it does
+            model = self.ternary.straight_through(model)
         prompt = self.task.encode(self.tc.sample_prompt)
         try:  # a solve of its own, at sequence lengths the training never ran
             tokens = model.generate(
