@@ -361,6 +361,7 @@ def test_a_failed_sampling_solve_is_a_solver_failure():
 
     evaluation = _loop._Evaluation.__new__(_loop._Evaluation)
     evaluation.task, evaluation.layout = _Text(), types.SimpleNamespace(processes=1)
+    evaluation.ternary = None
     evaluation.tc = resolve(SMOKE, ["train.sample_tokens=5", "train.sample_prompt=ab"]).train
     with pytest.raises(SolverFailure) as e:
         evaluation.sample(Failing(), jr.key(0), 7)
