@@ -371,10 +371,10 @@ def _otd_relaxed_is_unstable(c: Choices) -> Refusal | None:
             "optimise_then_discretise on the relaxed formulation solves the state backward "
             "in time through the stiff contraction -(u - P(u))/eps, which backward is an "
             "expansion of rate 1/eps: the errors of the backward state grow like "
-            "exp(T/eps), and the gradient is wrong by orders of magnitude (measured "
-            "relative gap to the exact gradient at eps=0.1: 1.4e6 with heun at 8 steps per "
-            "layer; 7.7e4, 6.8e4, 3.7e17 with kvaerno3 at 4, 8, 16), growing as the grid is "
-            "refined; an IMEX stepper's two terms cannot be taken backward at all. Use "
+            "exp(T/eps), and the gradient is wrong by orders of magnitude (relative gap to "
+            "the exact gradient at eps=0.1: 6.6e3, 2.5e11, 1.1e21 with heun at 8, 16, 32 "
+            "steps per layer, docs/training_math.md), growing as the grid is refined; an "
+            "IMEX stepper's two terms cannot be taken backward at all. Use "
             "gradient=discretise_then_optimise (or a stored method), the exact gradient "
             "of the scheme",
         )
