@@ -526,3 +526,20 @@ def test_fields_set_explicitly_are_recorded_at_the_config_edge(tmp_path):
         "num_layers",
         "width",
     ]
+
+
+def test_a_recorded_run_of_a_combination_refused_since_is_read_by_its_forward_solve():
+    """optimise_then_discretise on the relaxed formulation is refused (its gradients
+    were wrong by orders of magnitude); a run that recorded it is still read (load_run,
+    evaluate, export need only the forward solve, which the gradient method does not
+    change), as the default gradient method."""
+    from ocformer.config import as_recorded
+
+    sets = ["model.norm=post", "model.formulation=relaxed", "controls.norm_affine=scalar",
+            "discretisation.stepper=kencarp3", "discretisation.steps_per_layer=4"]  # fmt: skip
+    stored = json.loads(json.dumps(to_dict(resolve(SMOKE, sets))))
+    stored["discretisation"]["gradient"] = "optimise_then_discretise"
+    with pytest.raises(ConfigError, match="optimise_then_discretise on the relaxed formulation"):
+        validate(from_dict(stored))
+    read = validate(from_dict(as_recorded(stored)))
+    assert read.discretisation.gradient == "discretise_then_optimise"

@@ -214,15 +214,34 @@ def test_small_chunks_give_the_same_files(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("prefix_space", [True, False])
 def test_a_tokenizer_that_adds_a_prefix_space_encodes_each_file_whole(
-    corpus, tmp_path, capsys, prefix_space
+    tmp_path, capsys, prefix_space
 ):
-    """A byte-level BPE whose pre-tokenizer adds a space before every text would give a
-    stray space token at each 64-byte chunk: the preparation finds that its ids depend
-    on the cuts, says so, and encodes each file whole; the ids are the tokenizer's own
-    of each file. Without the prefix space, no word, and the same ids by chunks."""
+    """A byte-level BPE whose pre-tokenizer adds a space before a text that does not
+    start with one would give a stray space token at each chunk that starts at a
+    newline: the preparation finds that its ids depend on the cuts, says so, and
+    encodes each file whole; the ids are the tokenizer's own of each file. Without the
+    prefix space, no word, and the same ids by chunks."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    root, a, b = corpus
+    # Prose lines over more than the 64 KiB the preparation tries the tokenizer on,
+    # whose first cuts come before spaces (where GPT-2's prefix space changes nothing);
+    # validation is exactly b.txt.
+    r = random.Random(5)
+
+    def prose(size: int) -> str:
+        lines, total = [], 0
+        while total < size:
+            line = " ".join(r.choice(["alpha", "beta", "gamma", "delta,"]) for _ in range(9))
+            lines.append(line + ".\n")
+            total += len(lines[-1])
+        return "".join(lines)[:size]
+
+    b = prose(12000)
+    a = prose(9 * len(b))
+    root = tmp_path / "corpus"
+    root.mkdir()
+    _write(root / "a.txt", a)
+    _write(root / "b.txt", b)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     tok.decoder = decoders.ByteLevel()
@@ -234,7 +253,7 @@ def test_a_tokenizer_that_adds_a_prefix_space_encodes_each_file_whole(
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     files = [str(root / "a.txt"), str(root / "b.txt")]
     capsys.readouterr()
-    prepare_text(files, str(tmp_path / "tok"), tmp_path / "ds", chunk_bytes=64, progress=False)
+    prepare_text(files, str(tmp_path / "tok"), tmp_path / "ds", chunk_bytes=4096, progress=False)
     said = "so each file is encoded whole" in capsys.readouterr().err
     assert said == prefix_space
     assert _ids(tmp_path / "ds", "train.bin").tolist() == _reference_ids(tmp_path / "ds", a)

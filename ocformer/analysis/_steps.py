@@ -16,12 +16,11 @@ import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float
 
 from ..controls import AbstractControl, LayerParams
 from ..dynamics import AbstractSplitTerm, DynamicsArgs, project_onto_set
-from ..integration import bind_solver, time_grid
+from ..integration import bind_solver, grid_points, jump_flags, time_grid
 from ..models import ContinuousTransformer
 from ..operators import wide_dtype
 from ..splitting import AbstractSplittingSolver, Lie, Strang, inner_solver, with_inner_solver
@@ -130,14 +129,9 @@ class StepMap(eqx.Module):
         # piecewise-constant control ends just below it and the next starts just above,
         # so no stage reads the next layer's control. Splitting schemes read the control
         # at the step's midpoint and need nothing.
-        jumps = transformer.control.jump_ts
-        inner = self._inner()
-        if jumps is not None and np.size(jumps) and not isinstance(inner, AbstractSplittingSolver):
-            grid = np.asarray(ts)
-            scale = grid[-1] - grid[0]
-            on_jump = np.any(
-                np.abs(grid[:, None] - np.asarray(jumps)[None, :]) <= 1e-9 * scale, axis=1
-            )
+        points = grid_points(transformer.control, transformer.steps_per_layer)
+        on_jump = jump_flags(self._inner(), transformer.control, points)
+        if on_jump.any():
             on_jump = jnp.asarray(on_jump)
             ends = jnp.where(on_jump[1:], jnp.nextafter(ends, -jnp.inf), ends)
             starts = jnp.where(on_jump[:-1], jnp.nextafter(starts, jnp.inf), starts)

@@ -169,7 +169,8 @@ def _damage(e: BaseException) -> bool:
     a failure of the reading (then deleting the checkpoint would lose a good one)."""
     if isinstance(e, MemoryError | PermissionError):
         return False
-    if isinstance(e, OSError) and not isinstance(e, FileNotFoundError | IsADirectoryError):
+    damaged = FileNotFoundError | IsADirectoryError | NotADirectoryError  # files gone or swapped
+    if isinstance(e, OSError) and not isinstance(e, damaged):
         return False  # an I/O error, a timeout of a network file system: not the bytes
     return not any(code in str(e) for code in _TRANSIENT)
 

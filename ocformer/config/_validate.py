@@ -544,8 +544,10 @@ def as_recorded(data: dict) -> dict:
     with the meaning it had when that run trained: a field that version accepted and
     ignored, and that this version refuses instead, is set back to its default.
     Those are the depth-parallel fields (``ocformer.models.DEPTH_PARALLEL_ONLY``)
-    under ``discretisation.depth_parallel`` none: the serial solve never read them; and
-    the options of other tasks than the run's (``task.vocab_size`` under ``tokens``).
+    under ``discretisation.depth_parallel`` none: the serial solve never read them; the
+    options of other tasks than the run's (``task.vocab_size`` under ``tokens``); and
+    ``optimise_then_discretise`` on the relaxed formulation, read as the default
+    gradient method (the forward solve is the same; its gradients were wrong).
     A new configuration is never read this way: there they are refused."""
     if not isinstance(data, dict):
         return data
@@ -556,6 +558,18 @@ def as_recorded(data: dict) -> dict:
         reset = {k: defaults[k] for k in unread if k in task and k != "path"}
         data = {**data, "task": {**task, **reset}}
     disc = data.get("discretisation")
+    model = data.get("model")
+    if (
+        isinstance(disc, dict)
+        and isinstance(model, dict)
+        and model.get("formulation") == "relaxed"
+        and disc.get("gradient") == "optimise_then_discretise"
+    ):
+        # Refused since (its gradients were wrong); the forward solve, which reading a
+        # run needs, does not depend on the gradient method.
+        default = DiscretisationConfig().gradient
+        data = {**data, "discretisation": {**disc, "gradient": default}}
+        disc = data["discretisation"]
     if not isinstance(disc, dict) or disc.get("depth_parallel") is not None:
         return data
     defaults = {f.name: f.default for f in dataclasses.fields(DiscretisationConfig)}

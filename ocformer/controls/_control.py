@@ -19,9 +19,10 @@ def piece(t, jump_ts: np.ndarray | None) -> Array:
     The jumps are compared in ``t``'s own dtype, not located by arithmetic on ``t``:
     a point of the time grid on a jump is that jump's time in the same dtype
     (``ocformer.integration.time_grid``), so it is the first time of the next piece
-    and the float just below it the last of the previous one, whatever the rounding
-    (``(t - t0) * L / T`` floors 1.0000001 and 0.99999994 alike where the float32 grid
-    of 24 layers x 5 steps has its jump 1 ulp high).
+    and the float just below it the last of the previous one, whatever the rounding.
+    (A float32 ``linspace`` grid of 24 layers x 5 steps has its first jump at 1.0000001;
+    a step stopped just below it, at 1.0, was read by ``floor((t - t0) * L / T)`` as
+    the next layer.)
     """
     t = jnp.asarray(t)
     if not jnp.issubdtype(t.dtype, jnp.floating):

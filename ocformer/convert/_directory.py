@@ -234,13 +234,18 @@ def recover_interrupted(path: str) -> None:
     """Tidy what an export to ``path`` killed part-way left beside it: its staging
     directory is removed, and the old export it had moved aside is put back when
     nothing took its place (the kill came between ``_replace_directory``'s two
-    renames). Siblings of an export still running (its process alive) are left alone."""
+    renames; of several, the newest). Siblings of an export still running (its process
+    alive, on this machine: one running on another host that shares the file system
+    is not seen) are left alone."""
     folder, base = os.path.split(path)
     left = re.compile(rf"\.{re.escape(base)}\.(tmp|old)-(\d+)-[0-9a-f]{{8}}")
     try:
-        names = sorted(os.listdir(folder or "."))
+        names = os.listdir(folder or ".")
     except OSError:
         return
+    # The newest first: the old export a later interrupted export moved aside is the
+    # one that was at ``path`` last.
+    names.sort(key=lambda n: -_mtime(os.path.join(folder, n)))
     for name in names:
         match = left.fullmatch(name)
         if match is None or _running(int(match[2])):
@@ -250,6 +255,13 @@ def recover_interrupted(path: str) -> None:
             os.rename(full, path)
         else:
             shutil.rmtree(full, ignore_errors=True)
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:  # gone meanwhile
+        return 0
 
 
 def _running(pid: int) -> bool:

@@ -35,6 +35,8 @@ from ._grid import (
     adaptive_controller as adaptive_controller,
     adaptive_max_steps as adaptive_max_steps,
     constant_controller as constant_controller,
+    grid_points as grid_points,
+    jump_flags as jump_flags,
     jumps_stepped_over as jumps_stepped_over,
     time_dtype as time_dtype,
     time_grid as time_grid,

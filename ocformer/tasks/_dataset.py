@@ -192,8 +192,13 @@ def _cuts_change_ids(tok: Tokenizer, file: pathlib.Path) -> bool:
     the sample has no boundary or does not encode (the encoding proper reports that)."""
     with open(file, "rb") as f:
         sample = f.read(_PROBE_BYTES)
-    end = _last_cut(sample, len(sample))
-    cuts = [c for c in (_last_cut(sample, end // 2), end) if c > 0]
+    # A cut of each kind: before a newline and before a space (GPT-2's prefix space is
+    # added to a text that does not start with one, so only the first kind shows it).
+    cuts = set()
+    for kind in (b"\n", b" "):
+        at = next((m.start() + 1 for m in _CUT.finditer(sample) if sample[m.end()] == kind[0]), 0)
+        cuts.add(at)
+    cuts = sorted(c for c in cuts | {_last_cut(sample, len(sample))} if c > 0)
     if not cuts:
         return False
     pieces = [sample[a:b] for a, b in zip([0, *cuts], [*cuts, len(sample)])]

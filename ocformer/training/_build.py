@@ -17,7 +17,12 @@ from jax.sharding import Mesh
 
 from .. import controls
 from .._counts import whole_number
-from ..checkpointing import CheckpointError, CheckpointManager
+from ..checkpointing import (
+    CheckpointError,
+    CheckpointManager,
+    ChecksumMismatch,
+    CorruptedCheckpoint,
+)
 from ..config import Config, ConfigError, as_recorded, from_dict, stepper_object, validate
 from ..config._explicit import with_field
 from ..controls import NormParams
@@ -401,8 +406,10 @@ def _restore_despite_rotation(checkpoints: CheckpointManager, step, template_for
             return checkpoints.restore(chosen, template_for(checkpoints, chosen)), chosen
         except CheckpointError as e:
             if chosen in checkpoints.steps() and os.path.isdir(checkpoints.path(chosen)):
-                # Still there: damaged, as the error says; a reader may take another.
-                if earlier := [s for s in checkpoints.steps() if s < chosen]:
+                # Still there: damaged, as the error says; a reader may take another (not
+                # where the reading failed and the checkpoint is sound).
+                earlier = [s for s in checkpoints.steps() if s < chosen]
+                if earlier and isinstance(e, CorruptedCheckpoint | ChecksumMismatch):
                     e.args = (
                         f"{e} Its earlier committed steps are {earlier}: read one with "
                         "--step (ocformer.evaluate, ocformer.export) or "
