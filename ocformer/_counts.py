@@ -24,3 +24,12 @@ def whole_number(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def to_whole_number(value):
+    """``whole_number(value)`` where that is one, else ``value`` itself: the converter of
+    a module's count field (``eqx.field(converter=...)``), so that a NumPy integer is
+    stored as the ``int`` it is and anything else reaches the module's own check, which
+    names it."""
+    whole = whole_number(value)
+    return value if whole is None else whole

@@ -217,6 +217,9 @@ def test_a_bool_is_no_count_anywhere_and_a_numpy_integer_is_one():
     for make, words in refusals:
         with pytest.raises(ValueError, match=words):
             make()
+    assert type(Attention(num_heads=np.int64(2)).num_heads) is int  # a module's count too
+    assert ConvAttention(num_heads=1, token_grid=(np.int64(2), 3)).token_grid == (2, 3)
+    assert DiscretiseThenOptimise(checkpoints=np.int64(2)).checkpoints == 2
     task = CopyTask(np.int64(4), np.int64(5))
     assert type(task.seq_len) is int and type(task.vocab_size) is int
     assert Digits(np.int32(2)).seq_len == 17

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from .._counts import whole_number
 from ._control import AbstractControl, Constant, PiecewiseConstant, _leading_sizes
 from ._init import init_stacked_params
 from ._params import LayerParams
@@ -105,11 +106,12 @@ def make_control(
             return jnp.concatenate([x[:1], inner, x[-1:]], axis=0)
 
         return PiecewiseLinear(jtu.tree_map(nodes, values), t0, t1)
-    if type(num_basis) is not int or not 1 <= num_basis <= L:  # not a bool
+    if not 1 <= (whole_number(num_basis) or 0) <= L:  # not a bool
         raise ValueError(
             f"num_basis={num_basis!r} must be an integer in [1, L={L}] to fit the per-layer "
             "values by least squares; pass a smaller num_basis or more layers."
         )
+    num_basis = int(num_basis)
     mids = (np.arange(L) + 0.5) / L * 2.0 - 1.0  # layer midpoints in tau
     design = np.stack(
         [np.asarray(basis_functions(jnp.asarray(m), num_basis, family)) for m in mids]

@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 
 from .._compat import diffrax_loop
+from .._counts import to_whole_number
 from ..controls import AbstractControl
 from ..splitting import inner_solver
 from ._grid import backward_grid_controller
@@ -51,7 +52,7 @@ class DiscretiseThenOptimise(AbstractGradientMethod):
     """
 
     name: ClassVar[str] = "discretise_then_optimise"
-    checkpoints: int | None = eqx.field(default=None, static=True)
+    checkpoints: int | None = eqx.field(default=None, static=True, converter=to_whole_number)
 
     def __check_init__(self):
         if self.checkpoints is not None and not (

@@ -17,6 +17,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from .._counts import whole_number
 from ..controls import NormParams
 from ..operators import LayerNormProjection, constant_in_x
 
@@ -54,7 +55,7 @@ class AbstractEmbedding(eqx.Module):
 
 def _check_positive(**values) -> None:
     for name, value in values.items():
-        if type(value) is not int or value < 1:  # a bool is no count (True is not 1)
+        if (whole_number(value) or 0) < 1:  # a bool is no count (True is not 1)
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
 
 

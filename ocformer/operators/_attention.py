@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
 
+from .._counts import to_whole_number
 from ..controls._params import AttentionParams
 from ._grid import Grid, constant_in_x
 from ._layernorm import wide_dtype
@@ -70,7 +71,7 @@ class Attention(eqx.Module):
             other case (CPU, float32, float64, masks) is computed as with ``"xla"``.
     """
 
-    num_heads: int = eqx.field(static=True)
+    num_heads: int = eqx.field(static=True, converter=to_whole_number)
     causal: bool = eqx.field(default=False, static=True)
     grid: Grid = Grid()
     kernel: str = eqx.field(default="xla", static=True)

@@ -2,12 +2,13 @@
 kernels over the 2-D token grid."""
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from .._counts import to_whole_number
 from ..controls._conv import ConvAttentionParams
 from ._grid import Grid, constant_in_x
 from ._layernorm import wide_dtype
@@ -50,6 +51,12 @@ def local_transform(
     return jnp.concatenate([prefix, out.reshape(*batch, rows * cols, d)], axis=-2)
 
 
+def _whole_numbers(grid) -> Any:
+    """The entries of ``grid`` as ``to_whole_number`` gives them (``__check_init__``
+    checks the result)."""
+    return tuple(map(to_whole_number, grid))
+
+
 class ConvAttention(eqx.Module):
     r"""Attention whose queries, keys and values read a locally smoothed state (CvT).
 
@@ -71,9 +78,9 @@ class ConvAttention(eqx.Module):
         grid: quadrature spacings.
     """
 
-    num_heads: int = eqx.field(static=True)
-    token_grid: tuple[int, int] = eqx.field(static=True)
-    num_prefix: int = eqx.field(default=1, static=True)
+    num_heads: int = eqx.field(static=True, converter=to_whole_number)
+    token_grid: tuple[int, int] = eqx.field(static=True, converter=_whole_numbers)
+    num_prefix: int = eqx.field(default=1, static=True, converter=to_whole_number)
     grid: Grid = Grid()
     # Non-causal: the grid has no order in which a token may only see its predecessors.
     causal: ClassVar[bool] = False
