@@ -11,7 +11,13 @@ from ..dynamics import DynamicsArgs
 from ..splitting import AbstractSplittingSolver, inner_solver, with_inner_solver
 from ._depth import chunk_controls
 from ._discretisation import Discretisation
-from ._grid import adaptive_controller, adaptive_max_steps, constant_controller, time_grid
+from ._grid import (
+    adaptive_controller,
+    adaptive_max_steps,
+    constant_controller,
+    time_dtype,
+    time_grid,
+)
 
 
 def bind_solver(solver: diffrax.AbstractSolver, terms) -> diffrax.AbstractSolver:
@@ -33,6 +39,7 @@ def solve(
     key_mask=None,
     saveat: diffrax.SaveAt | None = None,
     cast_back: bool = True,
+    compute_dtype=None,
 ) -> diffrax.Solution:
     """Solve the controlled equation over the control's interval with one ``diffeqsolve``.
 
@@ -59,7 +66,13 @@ def solve(
     ``u0`` unless ``cast_back`` is False (what is computed from their differences, the
     kinetic energy, needs the state's own: a bfloat16 difference of nearby states is
     mostly rounding). With a float32 or float64 ``u0`` state and compute dtype are one.
+
+    ``compute_dtype`` (None: the dtype of ``u0``) sets the compute dtype apart from the
+    state's: the depth-parallel solve hands each chunk its float32 boundary state with
+    bfloat16 compute, so that the residual stream is never rounded to bfloat16 between
+    chunks.
     """
+    compute_dtype = u0.dtype if compute_dtype is None else np.dtype(compute_dtype)
     ts, num_steps = time_grid(control, discretisation.steps_per_layer, u0.dtype)
     stepper = bind_solver(stepper, terms)
     adaptive = discretisation.is_adaptive
@@ -81,7 +94,7 @@ def solve(
         t1=ts[-1],
         dt0=ts[1] - ts[0] if adaptive else None,
         y0=u0.astype(np.promote_types(u0.dtype, ts.dtype)),  # numpy's: also under strict
-        args=DynamicsArgs(control=control, key_mask=key_mask, compute_dtype=u0.dtype),
+        args=DynamicsArgs(control=control, key_mask=key_mask, compute_dtype=compute_dtype),
         stepsize_controller=controller,
         max_steps=max_steps,
         adjoint=adjoint,
@@ -107,9 +120,18 @@ class _ChunkSolve(eqx.Module):
     stepper: diffrax.AbstractSolver
     discretisation: Discretisation
     key_mask: Bool[Array, "*batch N"] | None
+    compute_dtype: np.dtype = eqx.field(static=True)
 
     def __call__(self, chunk: AbstractControl, u):
-        sol = solve(self.terms, self.stepper, chunk, u, self.discretisation, key_mask=self.key_mask)
+        sol = solve(
+            self.terms,
+            self.stepper,
+            chunk,
+            u,
+            self.discretisation,
+            key_mask=self.key_mask,
+            compute_dtype=self.compute_dtype,
+        )
         assert sol.ys is not None
         return sol.ys[-1]
 
@@ -127,6 +149,10 @@ def solve_in_depth(
     solve of ``discretisation.depth_parallel`` (shape ``(K + 1, N + 1, *u0.shape)``;
     the last entry is u(T)).
 
+    The states are those the serial solve carries (``solve``): float32 for a bfloat16
+    ``u0``, whose dtype stays the compute dtype of every chunk's fields; the boundary
+    states and the iteration's corrections are never rounded to bfloat16.
+
     ``fine`` and ``coarse`` are the terms and stepper of the discretisation and of its
     coarse stepper (the model's, posed for each stepper). Every chunk solve, fine or
     coarse, is a ``solve`` above: the fine one with ``discretisation`` over the chunk's
@@ -141,11 +167,12 @@ def solve_in_depth(
         control, chunks, method.coarse_steps
     )
     coarse_discretisation = discretisation.coarse(steps_per_piece)
-
+    compute_dtype = u0.dtype
+    state = u0.astype(np.promote_types(u0.dtype, time_dtype(u0.dtype)))
     return method.iterates(
-        _ChunkSolve(*fine, discretisation, key_mask),
-        _ChunkSolve(*coarse, coarse_discretisation, key_mask),
+        _ChunkSolve(*fine, discretisation, key_mask, compute_dtype),
+        _ChunkSolve(*coarse, coarse_discretisation, key_mask, compute_dtype),
         fine_controls,
         coarse_controls,
-        u0,
+        state,
     )

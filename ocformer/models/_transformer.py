@@ -397,7 +397,7 @@ class ContinuousTransformer(eqx.Module):
                     "energy) needs the serial solve: rediscretise(model, "
                     "depth_parallel=None)."
                 )
-            u_t = self.depth_iterates(u0, key_mask)[-1, -1]
+            u_t = self.depth_iterates(u0, key_mask, cast_back=cast_back)[-1, -1]
             t0, t1 = self.control.interval
             return diffrax.Solution(
                 t0=jnp.asarray(t0),
@@ -425,11 +425,14 @@ class ContinuousTransformer(eqx.Module):
         )
 
     def depth_iterates(
-        self, u0: State, key_mask: KeyMask | None = None
+        self, u0: State, key_mask: KeyMask | None = None, *, cast_back: bool = True
     ) -> Float[Array, "iterations chunks_plus_one *batch N d"]:
         """The states at the chunk boundaries after each iteration of the
         depth-parallel solve (before any final projection): entry ``[k, n]`` is
-        $U^k_n$, iteration 0 the coarse guess, ``[-1, -1]`` u(T).
+        $U^k_n$, iteration 0 the coarse guess, ``[-1, -1]`` u(T). As for ``solve``,
+        they are in the dtype of ``u0``, or with ``cast_back=False`` in that of the
+        states the iteration carries (float32 for a bfloat16 ``u0``, whose dtype is the
+        chunks' compute dtype: ``ocformer.integration.solve_in_depth``).
 
         The fine propagator is this model's discretisation over each chunk, the coarse
         one the same equation under ``discretisation.coarse(...)`` (its terms posed for
@@ -443,7 +446,7 @@ class ContinuousTransformer(eqx.Module):
             )
         model = self._in_dtype(u0.dtype)
         coarse = eqx.tree_at(lambda m: m.discretisation, model, d.coarse())
-        return solve_in_depth(
+        states = solve_in_depth(
             (model.terms(), model.time_stepper()),
             (coarse.terms(), coarse.time_stepper()),
             model.control,
@@ -451,6 +454,7 @@ class ContinuousTransformer(eqx.Module):
             model.discretisation,
             key_mask=key_mask,
         )
+        return states.astype(u0.dtype) if cast_back else states
 
     def trajectory(
         self,
