@@ -7,8 +7,11 @@ that has ``AutoTokenizer`` read it as it was written (``PreTrainedTokenizerFast`
 Only a run in the standard discretisation (the Lie scheme, one explicit-Euler step per
 layer solved serially in depth, piecewise-constant controls, the split formulation) can
 be exported: that discretisation *is* the layer stack which ``transformers`` evaluates;
-any other is refused, naming the fields that differ. Only a model that started from a checkpoint
-(``model.init_from``) has a format to be written back in. A run trained with ternary
+any other is refused, naming the fields that differ. A model that started from a
+checkpoint (``model.init_from``) is written back in its format; a language model from a
+random start is written as GPT-2 when it has GPT-2's architecture: logits tied to the token
+embedding (``model.readout=tied``), pre-LN with the final LayerNorm
+(``ocformer.convert.export_config``). A run trained with ternary
 feed-forward kernels (``objective.ternary``) is written with them, ``Q(W)``, which it
 trained and evaluates with, not with the latent kernels its checkpoints store.
 
@@ -28,7 +31,8 @@ import tempfile
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
-from .convert import to_pretrained
+from .convert import export_config, to_pretrained
+from .models import TokenEmbedding
 from .objective import Ternary, feedforward_kernels, with_feedforward_kernels
 from .tasks import TOKENIZER_FILE
 from .training import ExitCode, WorkdirError, enable_x64_for_run, load_run, run_record
@@ -75,7 +79,8 @@ def export(
 
     Raises:
         ConfigError: the run is not in the standard discretisation (the fields named),
-            did not start from a checkpoint, or ``to`` is, lies inside or holds the
+            started from no checkpoint and lacks GPT-2's architecture (what it lacks
+            named: an untied head, say), or ``to`` is, lies inside or holds the
             checkpoint it started from (which resuming the run reads) or the run
             itself, or is a file.
         WorkdirError: not a work directory, or no such checkpoint.
@@ -102,13 +107,17 @@ def export(
             f"with --set model.init_from={workdir} in the standard discretisation, "
             "whose export this is; or evaluate this run with python -m ocformer.evaluate",
         )
-    if model.source_config is None:  # type: ignore[attr-defined]
+    try:
+        written_as = export_config(model)  # type: ignore[arg-type]
+    except ValueError as e:  # a random start without GPT-2's architecture
+        language = isinstance(model.embedding, TokenEmbedding)  # type: ignore[attr-defined]
         raise ConfigError(
-            "model.init_from",
-            f"the run in {workdir} did not start from a Hugging Face checkpoint, so it has "
-            "no checkpoint format to be written back in; start it with "
-            "--set model.init_from=DIR to export it",
-        )
+            "model.readout" if language else "model.init_from",
+            f"the run in {workdir} started from no Hugging Face checkpoint: {e} Train "
+            + ("with --set model.readout=tied to export a run of your own, or " if language else "")
+            + "start from a checkpoint (--set model.init_from=DIR), which is written back "
+            "in its own format",
+        ) from None
     if config.objective.ternary:
         # The kernels the run trained and evaluates with are Q(W), not the latent W the
         # checkpoint stores (the straight-through estimator's): those are exported.
@@ -131,7 +140,7 @@ def export(
                 "whole) would destroy; write the export elsewhere",
             )
     with tempfile.TemporaryDirectory() as scratch:
-        files = _tokenizer_files(config.task.path, scratch, model.source_config)  # type: ignore[attr-defined]
+        files = _tokenizer_files(config.task.path, scratch, written_as)
         try:
             to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
         except ValueError as e:
@@ -139,7 +148,7 @@ def export(
     return path
 
 
-def _tokenizer_files(dataset: str | None, scratch: str, source_config: str) -> dict[str, str]:
+def _tokenizer_files(dataset: str | None, scratch: str, written_as: dict) -> dict[str, str]:
     """The dataset's ``tokenizer.json`` (none: no files) with a
     ``tokenizer_config.json`` that names the fast tokenizer which reads it. Without
     one, ``AutoTokenizer`` picks the class of the checkpoint's ``model_type`` (GPT-2's
@@ -153,7 +162,7 @@ def _tokenizer_files(dataset: str | None, scratch: str, source_config: str) -> d
     tokenizer = os.path.join(dataset, TOKENIZER_FILE)
     settings = os.path.join(scratch, TOKENIZER_CONFIG_FILE)
     with open(settings, "w", encoding="utf-8") as f:
-        special = _special_tokens(tokenizer, json.loads(source_config))
+        special = _special_tokens(tokenizer, written_as)
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **special}, f, indent=2)
     return {TOKENIZER_FILE: tokenizer, TOKENIZER_CONFIG_FILE: settings}
 

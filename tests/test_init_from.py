@@ -366,7 +366,8 @@ def test_a_resume_compares_the_architecture_the_run_took_from_its_source(
     """The architecture of a run from ``model.init_from`` is its source's, which its
     config.json does not hold: a resume that drops ``init_from`` lists every field
     whose value the model would change (here the activation, the one field of the
-    same shapes that differs), and one that sets a field to the source's value is no
+    same shapes that differs, and the readout: GPT-2's is tied, the default a linear
+    head), and one that sets a field to the source's value is no
     change."""
     from ocformer.training import ConfigChanged, RunDirectory
 
@@ -379,6 +380,7 @@ def test_a_resume_compares_the_architecture_the_run_took_from_its_source(
     assert e.value.changes == {
         "model.init_from": (gpt2[0], None),
         "model.activation": ("gelu_tanh", "gelu"),
+        "model.readout": ("tied", "linear"),
     }
     kept = config(experiment, f"model.init_from={gpt2[0]}", *same_shapes)
     assert RunDirectory(run).check(kept) == {}

@@ -17,7 +17,7 @@ from typing import Any
 from ..controls import CONTROL_KINDS, NORM_AFFINES
 from ..dynamics import SUB_SOLVERS
 from ..integration import COSTATES, DEPTH_PARALLEL, GRADIENT_METHODS, RELAXATIONS, STEPSIZES
-from ..models import FORMULATIONS, NORM_POSITIONS, WEIGHT_DECAY_ON
+from ..models import FORMULATIONS, NORM_POSITIONS, READOUTS, WEIGHT_DECAY_ON
 from ..objective import KERNEL_NORMS, PRECISIONS, TRAINING_METHODS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
 from ..splitting import SCHEMES, SOLVERS
@@ -56,6 +56,12 @@ class ModelConfig:
     activation: str = _field("gelu", "hidden pointwise sub-step", choices=ACTIVATIONS)
     ln_eps: float = _field(1e-5, "layer-norm epsilon", ge=0.0)
     final_norm: bool = _field(True, "project onto S1 at t = T (the final LayerNorm)")
+    readout: str = _field(
+        "linear",
+        "language tasks' logits: a linear head with a bias, or u(T) E^T tied to the token "
+        "embedding E (GPT-2's head: such a run can be exported)",
+        choices=READOUTS,
+    )
     formulation: str = _field(
         "split",
         "split equation, projected dynamics on S1, or Moreau-Yosida relaxation",

@@ -227,6 +227,7 @@ START_FIELDS = (
     "model.activation",
     "model.ln_eps",
     "model.final_norm",
+    "model.readout",
     "model.attention",
     "controls.kind",
     "controls.norm_affine",
@@ -275,6 +276,13 @@ def _check_combinations(c: Config) -> None:
             "would ignore it: add --set task.name=tokens, or drop task.path",
         )
     _check_task_options(c)
+    if m.readout == "tied" and TASKS[c.task.name].make.kind != "lm":
+        raise ConfigError(
+            "model.readout",
+            f"a tied readout reads logits from the token embedding, and task.name="
+            f"{c.task.name} is a classification task with patch embeddings; use "
+            "model.readout=linear",
+        )
     if m.attention == "conv" and m.conv_kernel % 2 == 0:
         raise ConfigError(
             "model.conv_kernel",

@@ -121,7 +121,69 @@ def _export(model: SequenceModel, c: dict):
             h + "ln_2.weight": layer["ln2_scale"], h + "ln_2.bias": layer["ln2_bias"],
         }  # fmt: skip
     out |= norm_arrays(final, "ln_f")
+    # A built model's LayerNorm gain and bias may be one number each
+    # (controls.norm_affine=scalar): GPT-2's are per feature, the same number d times.
+    d = embedding.tokens.shape[1]
+    for name, value in out.items():
+        if name.split(".")[-2] in ("ln_1", "ln_2", "ln_f"):
+            out[name] = np.broadcast_to(value, (d,)).copy()
     return out, {"architectures": ["GPT2LMHeadModel"], "tie_word_embeddings": True}
+
+
+# The GPT-2 name of each activation ours has one for (the exact erf GELU is "gelu").
+_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def describe(model: SequenceModel) -> dict:
+    """The GPT-2 ``config.json`` of a language model built from an ocformer
+    configuration (no checkpoint of its own): token and position embeddings, a pre-LN
+    causal stack with the final LayerNorm, and logits tied to the token embedding
+    (``model.readout=tied``). No dropout (the model was trained without it) and no
+    special token ids (a tokenizer of the run's own has none that GPT-2 knows).
+
+    Raises:
+        ValueError: naming each part of ``model`` that GPT-2 does not have.
+    """
+    t = model.transformer
+    activation = t.feedforward.activation
+    missing = [
+        what
+        for what, ok in [
+            ("token and position embeddings (a language task's TokenEmbedding)",
+             isinstance(model.embedding, TokenEmbedding)),
+            ("logits tied to the token embedding (model.readout=tied; this model has an "
+             "untied head with a bias, which GPT-2 does not)", model.tied),
+            ("pre-LN layers (model.norm=pre)", t.norm == "pre"),
+            ("causal attention", t.attention.causal),
+            ("the final LayerNorm (model.final_norm=true)", t.final_norm is not None),
+            (f"one of the activations {sorted(_ACTIVATION_NAMES)} (model.activation)",
+             activation in _ACTIVATION_NAMES),
+        ]
+        if not ok
+    ]  # fmt: skip
+    if missing:
+        raise ValueError(
+            "This model came from no checkpoint, so it is written as GPT-2, whose "
+            f"architecture it must have; it lacks {'; '.join(missing)}."
+        )
+    assert isinstance(model.embedding, TokenEmbedding)
+    vocab, width = model.embedding.tokens.shape
+    return {
+        "model_type": "gpt2",
+        "vocab_size": int(vocab),
+        "n_positions": int(model.embedding.positions.shape[0]),
+        "n_embd": int(width),
+        "n_layer": t.num_layers,
+        "n_head": t.attention.num_heads,
+        "n_inner": int(t.layer(0).feedforward.weights[0].shape[-1]),
+        "activation_function": _ACTIVATION_NAMES[activation],
+        "layer_norm_epsilon": float(t.layer_norm.eps),
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
 
 
 def _token_embedding(tokens: np.ndarray, positions: np.ndarray) -> TokenEmbedding:

@@ -32,7 +32,7 @@ from ._directory import (
     write_directory,
 )
 from ._family import Family
-from ._gpt2 import GPT2
+from ._gpt2 import GPT2, describe as describe_gpt2
 from ._layers import check_standard
 from ._matching import match_names, target_dtype
 from ._vit import VIT
@@ -98,6 +98,22 @@ def from_pretrained(
     return SequenceModel(source_config=json.dumps(config, sort_keys=True), **parts)
 
 
+def export_config(model: SequenceModel) -> dict:
+    """The configuration ``to_pretrained`` writes ``model`` with (before it sets
+    ``architectures`` and ``dtype``): that of the checkpoint the model came from
+    (``source_config``), or for a model built from an ocformer configuration GPT-2's
+    that describes it, when it has GPT-2's architecture (a language model with a tied
+    readout, ``model.readout=tied``, pre-LN with the final LayerNorm).
+
+    Raises:
+        ValueError: the model came from no checkpoint and is not GPT-2's architecture
+            (naming what it lacks).
+    """
+    if model.source_config is not None:
+        return json.loads(model.source_config)
+    return describe_gpt2(model)
+
+
 def to_pretrained(
     model: SequenceModel,
     path: str | os.PathLike,
@@ -108,10 +124,12 @@ def to_pretrained(
     """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
 
     ``config.json`` is the source configuration with ``architectures`` and ``dtype``
-    set; ``model.safetensors`` holds the tensors in the names the installed
-    ``transformers`` writes (GPT2LMHeadModel, BertModel, ViTForImageClassification or
-    ViTModel), in the model's dtype. The feed-forward kernels are reassembled as
-    E + W_1 and R + W_2, so a round trip is exact up to one rounding of their diagonals.
+    set (``export_config``: a model built from an ocformer configuration is written as
+    GPT-2 when it has GPT-2's architecture); ``model.safetensors`` holds the tensors in
+    the names the installed ``transformers`` writes (GPT2LMHeadModel, BertModel,
+    ViTForImageClassification or ViTModel), in the model's dtype. The feed-forward
+    kernels are reassembled as E + W_1 and R + W_2, so a round trip is exact up to one
+    rounding of their diagonals.
 
     The directory is written whole: into a temporary sibling directory, then renamed
     into place, so an interrupted export never leaves half a checkpoint. Besides the
@@ -129,10 +147,12 @@ def to_pretrained(
             listed in its marker, so that exporting into the directory again is allowed.
 
     Raises:
-        ValueError: ``model`` is not a ``SequenceModel`` of a supported family, or its
-            transformer is not the standard layer stack (the Lie scheme, one
-            explicit-Euler step per layer, the split formulation, piecewise-constant
-            controls; the fields that differ are named); or ``path`` is a file.
+        ValueError: ``model`` is not a ``SequenceModel`` of a supported family (one
+            built from an ocformer configuration: not GPT-2's architecture, naming what
+            it lacks), or its transformer is not the standard layer stack (the Lie
+            scheme, one explicit-Euler step per layer, the split formulation,
+            piecewise-constant controls; the fields that differ are named); or
+            ``path`` is a file.
         FileExistsError: ``path`` is a directory that is not empty and that ocformer
             did not write (or holds files besides ocformer's export), and ``overwrite``
             is off. Nothing in it is changed.
@@ -141,20 +161,12 @@ def to_pretrained(
         raise ValueError(
             f"to_pretrained takes an ocformer.models.SequenceModel, got {type(model).__name__}."
         )
-    if model.source_config is None:
-        raise ValueError(
-            "to_pretrained writes a model in the format of the checkpoint it came from, "
-            "and this model came from none (source_config is None): it was built from an "
-            "ocformer configuration, whose embedding and head (an untied readout with a "
-            "bias) no GPT-2, BERT or ViT checkpoint has. Start the run from a checkpoint "
-            "(model.init_from=DIR) to be able to export it."
-        )
     check_standard(model.transformer, "to_pretrained")
+    config = export_config(model)
     files = check_extra_files(files)
     path = os.path.abspath(os.fspath(path))
     recover_interrupted(path)
     check_destination(path, overwrite)
-    config = json.loads(model.source_config)
     family = _family(config)
     tensors, updates = family.export(model, config)
     dtype = np.asarray(next(iter(tensors.values()))).dtype

@@ -28,7 +28,7 @@ from ._rules import (
     describe_stepper as describe_stepper,
     refusals as refusals,
 )
-from ._sequence import SequenceModel as SequenceModel
+from ._sequence import READOUTS as READOUTS, SequenceModel as SequenceModel
 from ._transformer import (
     FORMULATIONS as FORMULATIONS,
     NORM_POSITIONS as NORM_POSITIONS,

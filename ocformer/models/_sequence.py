@@ -19,6 +19,11 @@ from ._embedding import (
 )
 from ._transformer import ContinuousTransformer
 
+# How a language model built from a configuration reads its logits from u(T)
+# (``model.readout``): a ``Readout`` (u W + b), or ``tied`` to the token embedding
+# (u E^T, GPT-2's head).
+READOUTS: tuple[str, ...] = ("linear", "tied")
+
 
 class SequenceModel(eqx.Module):
     r"""$\text{inputs} \mapsto g(u(T))$ with $u(0) = f(\text{inputs})$ and $u$ the solution

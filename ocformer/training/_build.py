@@ -187,7 +187,10 @@ def build_model(config: Config, task, key):
     k_embed, k_control, k_read = jr.split(key, 3)
     if task.kind == "lm":
         embedding = TokenEmbedding(task.vocab_size, task.seq_len, m.width, key=k_embed, dtype=dtype)
-        readout = Readout(m.width, task.vocab_size, key=k_read, pooling="none", dtype=dtype)
+        if m.readout == "tied":
+            readout = None
+        else:
+            readout = Readout(m.width, task.vocab_size, key=k_read, pooling="none", dtype=dtype)
     else:
         example = task.batch("train", 0, 1, config.train.seed)["inputs"]
         embedding = PatchEmbedding(
@@ -213,7 +216,7 @@ def build_model(config: Config, task, key):
             key=jr.fold_in(k_control, 1),
             init_scale=m.conv_init_scale,
         )
-    return SequenceModel(embedding, transformer, readout)
+    return SequenceModel(embedding, transformer, readout, tied=readout is None)
 
 
 def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceModel, dict | None]:

@@ -167,6 +167,7 @@ def architecture(model: SequenceModel) -> dict[tuple[str, str], Any]:
         ("model", "activation"): t.feedforward.activation,
         ("model", "ln_eps"): t.layer_norm.eps,
         ("model", "final_norm"): t.final_norm is not None,
+        ("model", "readout"): "tied" if model.tied else "linear",
         ("model", "attention"): "conv" if isinstance(t.attention, ConvAttention) else "dot",
         ("controls", "kind"): c.controls,
         ("controls", "norm_affine"): "scalar" if c.scalar_norm else "feature",

@@ -1,0 +1,171 @@
+"""A run from a random start exported as GPT-2 (``model.readout=tied``).
+
+A character model trained from a random start on a dataset of its own, with its logits
+tied to the token embedding, is exported by ``python -m ocformer.export`` and loaded by
+``transformers``: the same logits (float32, 1e-5 relative), the same greedy
+continuation, and the dataset's tokenizer read by ``AutoTokenizer`` as the task reads
+it. In float64, with one LayerNorm gain per layer (``controls.norm_affine=scalar``,
+written per feature) and GPT-2's tanh GELU, the logits agree to 1e-12. A random start
+that is not GPT-2's architecture is refused, naming what it lacks; a tied readout for
+an image task, or a readout other than a checkpoint's, is refused by the configuration.
+"""
+
+import json
+import os
+import re
+
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from ocformer import export as export_cli, train as train_cli
+from ocformer.config import ConfigError, resolve
+from ocformer.convert import export_config, from_pretrained, to_pretrained
+from ocformer.tasks import make_task, prepare_text
+from ocformer.training import build, load_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
+SMALL = [
+    "train.progress=false", "train.steps=3", "train.eval_every=3",
+    "train.checkpoint_every=3", "task.batch_size=4", "task.eval_batches=1",
+    "task.eval_batch_size=4", "model.width=16", "model.hidden=32",
+]  # fmt: skip
+
+
+def _train(workdir, *sets) -> int:
+    argv = ["--config", SMOKE, "--workdir", str(workdir)]
+    return train_cli.main([*argv, *(a for s in [*SMALL, *sets] for a in ("--set", s))])
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    corpus = root / "c.txt"
+    corpus.write_text("the cat sat on the mat. a dog ran. " * 60, encoding="utf-8")
+    prepare_text([str(corpus)], "char", root / "ds", progress=False)
+    return root / "ds"
+
+
+def test_a_tied_random_start_is_exported_as_gpt2_with_its_tokenizer(dataset, tmp_path):
+    run = tmp_path / "run"
+    task = ["task.name=tokens", f"task.path={dataset}", "task.seq_len=12"]
+    assert _train(run, *task, "model.readout=tied") == 0
+    _, model = load_run(run)
+    assert model.tied and model.head is None
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (written["n_embd"], written["n_inner"], written["n_positions"]) == (16, 32, 12)
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    vocab = model.embedding.tokens.shape[0]
+    assert written["vocab_size"] == vocab and hf.config.n_layer == model.transformer.num_layers
+    ids = np.random.default_rng(0).integers(0, vocab, (2, 12))
+    ours = np.asarray(model(jnp.asarray(ids)), np.float64)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.double().numpy()
+    assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-5
+    prompt = ids[0, :4]
+    greedy = model.generate(jr.key(0), prompt, 6, temperature=0.0)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor(prompt[None]), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    np.testing.assert_array_equal(greedy, out[0, 4:].numpy())
+    # The dataset's own tokenizer travels with it and reads text as the task does.
+    theirs_ids = AutoTokenizer.from_pretrained(tmp_path / "hf")("a dog sat").input_ids
+    ours_ids = make_task("tokens", path=str(dataset), seq_len=12).encode("a dog sat")
+    assert list(theirs_ids) == np.asarray(ours_ids).tolist() and len(theirs_ids) == 9
+
+
+def test_float64_export_of_a_built_model_is_gpt2_to_rounding(tmp_path):
+    """Scalar LayerNorm gains and biases (one per layer) are written as GPT-2's
+    per-feature ones; the tanh GELU as ``gelu_new``. Logits to 1e-12 against
+    ``transformers``; read back by ``from_pretrained``, the same model."""
+    sets = [
+        "model.readout=tied", "controls.norm_affine=scalar", "model.activation=gelu_tanh",
+        "model.dtype=float64", "controls.init_scale=0.5",
+    ]  # fmt: skip
+    model = build(resolve(SMOKE, sets)).model
+    config = export_config(model)
+    assert config["activation_function"] == "gelu_new" and config["bos_token_id"] is None
+    to_pretrained(model, tmp_path / "hf")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", dtype=torch.float64).eval()
+    assert hf.transformer.h[0].ln_1.weight.shape == (model.transformer.width,)
+    ids = np.random.default_rng(1).integers(0, config["vocab_size"], (3, 10))
+    ours = np.asarray(model(jnp.asarray(ids)))
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids)).logits.numpy()
+    assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-12
+    back = from_pretrained(tmp_path / "hf")
+    np.testing.assert_allclose(np.asarray(back(jnp.asarray(ids))), ours, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        ([], "untied head with a bias"),
+        (["model.readout=tied", "model.norm=post"], "pre-LN layers (model.norm=pre)"),
+        (["model.readout=tied", "model.final_norm=false"], "the final LayerNorm"),
+    ],
+)
+def test_a_random_start_without_gpt2_s_architecture_is_refused_naming_it(sets, words, tmp_path):
+    model = build(resolve(SMOKE, sets)).model
+    with pytest.raises(ValueError, match=re.escape(words)):
+        export_config(model)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        to_pretrained(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_export_command_names_the_tied_readout_for_an_untied_run(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(run) == 0
+    capsys.readouterr()
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "model.readout" in err and "--set model.readout=tied" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_tied_readout_is_refused_for_an_image_task():
+    with pytest.raises(ConfigError, match="model.readout") as e:
+        resolve(os.path.join(ROOT, "experiments", "digits_vit.py"), ["model.readout=tied"])
+    assert "use model.readout=linear" in str(e.value)
+
+
+def test_a_checkpoint_start_fixes_the_readout(tmp_path, capsys):
+    """GPT-2's head is tied: a start from it takes ``tied`` (recorded in the run's
+    configuration), and ``model.readout=linear`` set with it is a conflict."""
+    config = GPT2Config(
+        vocab_size=8, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    experiment = tmp_path / "start.py"
+    experiment.write_text(START)
+    argv = ["--config", str(experiment), "--set", f"model.init_from={tmp_path / 'gpt2'}"]
+    assert train_cli.main([*argv, "--workdir", str(tmp_path / "a")]) == 0
+    assert load_run(tmp_path / "a")[0].model.readout == "tied"
+    capsys.readouterr()
+    code = train_cli.main(
+        [*argv, "--set", "model.readout=linear", "--workdir", str(tmp_path / "b")]
+    )
+    assert code == 2
+    assert "model.readout is 'linear', the checkpoint's 'tied'" in capsys.readouterr().err
+
+
+# A run of two steps whose architecture a checkpoint gives (no model fields).
+START = """
+from ocformer.config import Config, TaskConfig, TrainConfig
+
+
+def get_config(arg=None):
+    return Config(
+        task=TaskConfig(name="copy", seq_len=12, vocab_size=8, batch_size=4,
+                        eval_batch_size=4, eval_batches=1),
+        train=TrainConfig(steps=2, eval_every=2, checkpoint_every=2, progress=False),
+    )
+"""
