@@ -555,3 +555,21 @@ def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monk
     config, _ = load_run(tmp_path / "run")
     assert config.task.path == str(tmp_path / "data")
     assert evaluate_run(str(tmp_path / "run"))["step"] == 1
+
+
+def test_input_given_more_than_once_reads_every_file_in_order(tmp_path):
+    """``--input a --input b`` is ``--input a b``: both files, in that order (the last
+    flag alone was read before, silently)."""
+    (tmp_path / "a.txt").write_text("alpha beta gamma. " * 30, encoding="utf-8")
+    (tmp_path / "b.txt").write_text("delta epsilon. " * 30, encoding="utf-8")
+    a, b = str(tmp_path / "a.txt"), str(tmp_path / "b.txt")
+    base = ["--tokenizer", "char", "--no-progress"]
+    assert (
+        prepare_main(["text", "--input", a, "--input", b, "--out", str(tmp_path / "x"), *base]) == 0
+    )
+    assert prepare_main(["text", "--input", a, b, "--out", str(tmp_path / "y"), *base]) == 0
+    manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in "xy"]
+    assert [s["path"] for s in manifests[0]["sources"]] == [
+        str((tmp_path / n).resolve()) for n in ("a.txt", "b.txt")
+    ]
+    assert manifests[0]["splits"] == manifests[1]["splits"]

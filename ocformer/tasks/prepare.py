@@ -114,8 +114,9 @@ def _text_main(argv: list[str]) -> int:
         "tokenizer.json, manifest.json).",
     )
     parser.add_argument(
-        "--input", nargs="+", required=True, metavar="FILE_OR_GLOB",
-        help="UTF-8 text files or globs, read in this order (a glob's matches sorted)",
+        "--input", nargs="+", action="extend", required=True, metavar="FILE_OR_GLOB",
+        help="UTF-8 text files or globs, read in this order (a glob's matches sorted); "
+        "--input may be given more than once",
     )  # fmt: skip
     parser.add_argument(
         "--tokenizer", required=True,
