@@ -16,8 +16,9 @@ feed-forward kernels (``objective.ternary``) is written with them, ``Q(W)``, whi
 trained and evaluates with, not with the latent kernels its checkpoints store.
 
 A destination that holds files ocformer did not write is refused unless ``--overwrite``
-(which replaces it whole); the checkpoint the run started from and the work directory
-itself, and any folder inside or above either, are refused always.
+(which replaces it whole); the work directory itself, its dataset (``task.path``) and
+every checkpoint or run in its chain of starts (the start, that start's start, ...),
+and any folder inside or above one of them, are refused always.
 
 Exit codes: 0 written, 2 refused (bad work directory, step, discretisation or
 destination; nothing written), 1 unexpected error.
@@ -80,9 +81,9 @@ def export(
     Raises:
         ConfigError: the run is not in the standard discretisation (the fields named),
             started from no checkpoint and lacks GPT-2's architecture (what it lacks
-            named: an untied head, say), or ``to`` is, lies inside or holds the
-            checkpoint it started from (which resuming the run reads) or the run
-            itself, or is a file.
+            named: an untied head, say), or ``to`` is, lies inside or holds the run
+            itself, its dataset or a checkpoint of its chain of starts (which loading
+            and resuming the run read), or is a file.
         WorkdirError: not a work directory, or no such checkpoint.
         FileExistsError: ``to`` is a directory that ocformer did not write and is not
             empty, and ``overwrite`` is off. Nothing is written in any of these cases.
@@ -125,13 +126,7 @@ def export(
         kernels = ternary.project(feedforward_kernels(model))  # type: ignore[arg-type]
         model = with_feedforward_kernels(model, kernels)  # type: ignore[arg-type]
     path = os.path.abspath(os.fspath(to))
-    for other, what in [
-        (_started_from(workdir), "the checkpoint this run started from (model.init_from), "
-         "which resuming it reads"),
-        (os.path.abspath(workdir), "the run's own work directory"),
-    ]:  # fmt: skip
-        if other is None:
-            continue
+    for other, what in _protected(workdir, config):
         relation = _nesting(os.path.realpath(path), os.path.realpath(other))
         if relation is not None:
             raise ConfigError(
@@ -196,11 +191,32 @@ def _nesting(path: str, protected: str) -> str | None:
     return None
 
 
-def _started_from(workdir: str) -> str | None:
-    """The absolute path of the checkpoint directory the run first started from, as its
-    ``run.json`` records it; None if it records none."""
-    started = run_record(workdir, "init_from")
-    return started.get("path") if isinstance(started, dict) else None
+def _protected(workdir: str, config: Config) -> list[tuple[str, str]]:
+    """``(path, what it is)`` for each directory that loading, resuming or evaluating
+    the run reads, which the export (it replaces ``--to`` whole) must not touch: the
+    run itself, its dataset, and its chain of starts: the checkpoint or work directory
+    it started from, the start of that work directory, and so on (as each ``run.json``
+    records it)."""
+    out = [(os.path.abspath(workdir), "the run's own work directory")]
+    if config.task.path:
+        out.append((os.path.abspath(config.task.path), "the run's dataset (task.path)"))
+    seen, run = {os.path.realpath(workdir)}, workdir
+    while isinstance(started := run_record(run, "init_from"), dict):
+        source = started.get("path")
+        if not isinstance(source, str) or os.path.realpath(source) in seen:
+            break
+        seen.add(os.path.realpath(source))
+        first = len(out) == 1 + bool(config.task.path)
+        out.append((
+            source,
+            ("the checkpoint this run started from" if first else
+             "a checkpoint in the chain of starts this run came from")
+            + " (model.init_from), which resuming it reads",
+        ))  # fmt: skip
+        if started.get("kind") != "run":
+            break
+        run = source
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:

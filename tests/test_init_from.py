@@ -312,6 +312,36 @@ def test_finetune_export_and_load_in_transformers(experiment, gpt2, tmp_path, ca
     capsys.readouterr()
 
 
+def test_the_export_never_replaces_a_start_of_the_chain_or_the_dataset(
+    experiment, gpt2, tmp_path, capsys
+):
+    """A run that started from a run that started from GPT-2: exporting it into the
+    GPT-2 checkpoint (which loading both runs reads) is refused even with
+    ``--overwrite``, and so is exporting into its dataset directory; both stay as they
+    were. (Only the direct start was protected: the root checkpoint was replaced.)"""
+    from ocformer.tasks import prepare_text
+
+    source = tmp_path / "gpt2"
+    shutil.copytree(gpt2[0], source)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
+    prepare_text([str(corpus)], "char", tmp_path / "ds", progress=False)
+    task = ["task.name=tokens", f"task.path={tmp_path / 'ds'}", "train.steps=1"]
+    _train(experiment, tmp_path / "a", f"model.init_from={source}", *task)
+    _train(experiment, tmp_path / "b", f"model.init_from={tmp_path / 'a'}", *task)
+    before = {d: sorted(os.listdir(tmp_path / d)) for d in ("gpt2", "ds")}
+    capsys.readouterr()
+    for to, words in [
+        ("gpt2", "is a checkpoint in the chain of starts this run came from"),
+        ("ds", "is the run's dataset (task.path)"),
+    ]:
+        argv = [str(tmp_path / "b"), "--to", str(tmp_path / to), "--overwrite"]
+        assert export_cli.main(argv) == 2
+        assert words in capsys.readouterr().err
+    assert {d: sorted(os.listdir(tmp_path / d)) for d in ("gpt2", "ds")} == before
+    assert export_cli.main([str(tmp_path / "b"), "--to", str(tmp_path / "hf")]) == 0
+
+
 def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(
     experiment, gpt2, tmp_path, monkeypatch, capsys
 ):
