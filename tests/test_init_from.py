@@ -29,6 +29,7 @@ from ocformer.training._init_from import architecture
 
 VOCAB, POSITIONS = 16, 16
 QUIET = ["train.progress=false"]
+QUIET_ARGS = ["--set", "train.progress=false"]
 # The run's experiment file: the task, the loop and the optimiser; no model fields
 # (the checkpoint fixes the architecture).
 EXPERIMENT = """
@@ -340,6 +341,34 @@ def test_the_export_never_replaces_a_start_of_the_chain_or_the_dataset(
         assert words in capsys.readouterr().err
     assert {d: sorted(os.listdir(tmp_path / d)) for d in ("gpt2", "ds")} == before
     assert export_cli.main([str(tmp_path / "b"), "--to", str(tmp_path / "hf")]) == 0
+
+
+def test_a_source_edited_since_the_run_started_is_refused_naming_the_change(
+    experiment, gpt2, tmp_path, capsys
+):
+    """The source gives a trained run its structure: a layer-norm epsilon edited in
+    its config.json (no array changes shape) rebuilt the run as another function and
+    evaluated it without a word. Loading, resuming
+    and exporting now refuse it, naming the field then and now; put back, it loads."""
+    from ocformer import evaluate as evaluate_cli
+
+    source, run = tmp_path / "gpt2", tmp_path / "run"
+    shutil.copytree(gpt2[0], source)
+    _train(experiment, run, f"model.init_from={source}", "train.steps=1")
+    settings = source / "config.json"
+    original = settings.read_text()
+    settings.write_text(json.dumps(json.loads(original) | {"layer_norm_epsilon": 0.5}))
+    capsys.readouterr()
+    words = "model.ln_eps was 1e-05, is 0.5"
+    assert evaluate_cli.main([str(run)]) == 2
+    assert words in capsys.readouterr().err
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 2
+    assert words in capsys.readouterr().err and not (tmp_path / "hf").exists()
+    argv = ["--config", experiment, "--workdir", str(run), "--set", f"model.init_from={source}"]
+    assert train_cli.main([*argv, "--set", "train.steps=1", *QUIET_ARGS]) == 2
+    assert words in capsys.readouterr().err
+    settings.write_text(original)
+    assert evaluate_cli.main([str(run)]) == 0
 
 
 def test_a_resumed_run_keeps_its_start_record_and_names_a_missing_source(

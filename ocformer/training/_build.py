@@ -474,7 +474,7 @@ def build_from_own_checkpoint(config: Config, workdir: str, **kwargs) -> Experim
         ConfigError: as ``build``; a missing or changed source says why it is still read.
     """
     try:
-        return build(config, record_source=False, **kwargs)
+        exp = build(config, record_source=False, **kwargs)
     except ConfigError as e:
         if e.field != "model.init_from":
             raise
@@ -484,6 +484,40 @@ def build_from_own_checkpoint(config: Config, workdir: str, **kwargs) -> Experim
             "its own checkpoint, but a run that started from model.init_from reads the "
             "source again for the model's structure: put the source back at that path",
         ) from None
+    _check_source_unchanged(config, workdir, exp.model)
+    return exp
+
+
+def _check_source_unchanged(config: Config, workdir: str, model: SequenceModel) -> None:
+    """Refuse a source of ``model.init_from`` whose architecture is no longer the one
+    the run in ``workdir`` recorded when it started (``run.json``): a configuration
+    edited since (another layer-norm epsilon or activation, which change no array's
+    shape) would rebuild the trained run as another function, silently.
+
+    Raises:
+        ConfigError: naming each field with its value then and now.
+    """
+    spec = config.model.init_from
+    started = run_record(workdir, "init_from")
+    if spec is None or not isinstance(started, dict):
+        return
+    recorded, path = started.get("architecture"), started.get("path")
+    source = _init_from.parse_source(spec).path
+    if not isinstance(recorded, dict) or not isinstance(path, str):
+        return
+    if os.path.realpath(path) != os.path.realpath(source):
+        return  # another source than the one recorded (a resume that changed it)
+    now = {f"{s}.{n}": v for (s, n), v in _init_from.architecture(model).items()}
+    changed = {k: (v, now[k]) for k, v in recorded.items() if k in now and now[k] != v}
+    if changed:
+        listed = "; ".join(f"{k} was {a!r}, is {b!r}" for k, (a, b) in changed.items())
+        raise ConfigError(
+            "model.init_from",
+            f"{source} has changed since the run in {workdir} started from it: {listed}. "
+            "The run takes its parameters from its own checkpoint but its structure from "
+            "the source, so it would be rebuilt as another model; put back the source "
+            "the run started from",
+        )
 
 
 def build(
