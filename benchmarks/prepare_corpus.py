@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(args: argparse.Namespace) -> int:
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)  # the scratch folder's parent
     scratch = pathlib.Path(tempfile.mkdtemp(dir=args.dir, prefix="prepare-bench-"))
     try:
         corpus = scratch / "corpus.txt"

@@ -671,6 +671,21 @@ def test_a_corpus_of_another_tokenizer_than_the_starts_is_warned_of(
            "task.name=tokens", f"task.path={tmp_path / 'other'}", "train.steps=1")  # fmt: skip
     err = capsys.readouterr().err
     assert warned in err and f"the dataset that {runs['same']} trained on" in err, err
+    # The same tokenizer saved again (another file, the same id -> symbol table): the
+    # ids mean what the model learned, and no warning is given.
+    from tokenizers import Tokenizer
+
+    resaved = tmp_path / "resaved"
+    shutil.copytree(source, resaved)
+    Tokenizer.from_file(str(source / "tokenizer.json")).save(
+        str(resaved / "tokenizer.json"), pretty=False
+    )
+    files = [(d / "tokenizer.json").read_bytes() for d in (source, resaved)]
+    assert files[0] != files[1]
+    capsys.readouterr()
+    _train(experiment, tmp_path / "again", f"model.init_from={resaved}", "task.name=tokens",
+           f"task.path={tmp_path / 'own'}", "train.steps=1")  # fmt: skip
+    assert warned not in capsys.readouterr().err
 
 
 def test_an_exported_tokenizer_is_read_by_autotokenizer_as_the_task_reads_it(

@@ -320,9 +320,17 @@ def tokenizer_mismatch(config: Config, task) -> str | None:
         recorded = run_record(source.path, "dataset")
         theirs = recorded.get("tokenizer_sha256") if isinstance(recorded, dict) else None
         where = f"the dataset that {source.path} trained on"
+        file = None
+        if isinstance(recorded, dict) and isinstance(recorded.get("path"), str):
+            file = os.path.join(recorded["path"], TOKENIZER_FILE)
+            if not os.path.isfile(file) or _sha256(file) != theirs:
+                file = None  # that dataset was prepared again, or has gone
     ours = task.dataset.manifest["tokenizer"]["sha256"]
     if theirs is None or theirs == ours:
         return None
+    mine = os.path.join(task.dataset.path, TOKENIZER_FILE)
+    if file is not None and _same_symbols(file, mine):
+        return None  # another file (saved again, say) with the same id -> symbol table
     return (
         f"the dataset at task.path {task.dataset.path} was prepared with another tokenizer "
         f"(tokenizer.json SHA-256 {ours[:12]}) than the start's ({where}: {theirs[:12]}), "
@@ -330,6 +338,18 @@ def tokenizer_mismatch(config: Config, task) -> str | None:
         "model's own symbols, prepare the corpus with --tokenizer "
         f"{source.path if source.kind == 'checkpoint' else 'that tokenizer.json'}"
     )
+
+
+def _same_symbols(a: str, b: str) -> bool:
+    """Whether two ``tokenizer.json`` files give every id the same symbol (their
+    vocabularies, added tokens included, are equal); False if either cannot be read."""
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = [Tokenizer.from_file(f).get_vocab(with_added_tokens=True) for f in (a, b)]
+    except Exception:  # any file the tokenizers library does not read
+        return False
+    return vocab[0] == vocab[1]
 
 
 def warn_of_tokenizer_mismatch(config: Config, task) -> None:
