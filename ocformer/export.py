@@ -8,11 +8,11 @@ Only a run in the standard discretisation (the Lie scheme, one explicit-Euler st
 layer solved serially in depth, piecewise-constant controls, the split formulation) can
 be exported: that discretisation *is* the layer stack which ``transformers`` evaluates;
 any other is refused, naming the fields that differ. A model that started from a
-checkpoint (``model.init_from``) is written back in its format; a language model from a
-random start is written as GPT-2 when it has GPT-2's architecture: logits tied to the token
-embedding (``model.readout=tied``), pre-LN with the final LayerNorm
-(``ocformer.convert.export_config``). A run trained with ternary
-feed-forward kernels (``objective.ternary``) is written with them, ``Q(W)``, which it
+checkpoint (``model.init_from``) is written back in its format; a model from a random
+start is written as GPT-2 or ViT when it has its architecture (``export_config``): a
+language model with logits tied to the token embedding (``model.readout=tied``), or an
+image classifier of square images, each pre-LN with the final LayerNorm. A run trained
+with ternary feed-forward kernels (``objective.ternary``) is written with them, ``Q(W)``, which it
 trained and evaluates with, not with the latent kernels its checkpoints store.
 
 A destination that holds files ocformer did not write is refused unless ``--overwrite``
@@ -80,8 +80,8 @@ def export(
 
     Raises:
         ConfigError: the run is not in the standard discretisation (the fields named),
-            started from no checkpoint and lacks GPT-2's architecture (what it lacks
-            named: an untied head, say), or ``to`` is, lies inside or holds the run
+            started from no checkpoint and lacks GPT-2's or ViT's architecture (what
+            it lacks named: an untied head, say), or ``to`` is, lies inside or holds the run
             itself, its dataset or a checkpoint of its chain of starts (which loading
             and resuming the run read), or is a file.
         WorkdirError: not a work directory, or no such checkpoint.
@@ -110,7 +110,7 @@ def export(
         )
     try:
         written_as = export_config(model)  # type: ignore[arg-type]
-    except ValueError as e:  # a random start without GPT-2's architecture
+    except ValueError as e:  # a random start without GPT-2's or ViT's architecture
         language = isinstance(model.embedding, TokenEmbedding)  # type: ignore[attr-defined]
         raise ConfigError(
             "model.readout" if language else "model.init_from",

@@ -1,11 +1,12 @@
-"""A run from a random start exported as GPT-2 (``model.readout=tied``).
+"""A run from a random start exported as GPT-2 (``model.readout=tied``) or ViT.
 
 A character model trained from a random start on a dataset of its own, with its logits
 tied to the token embedding, is exported by ``python -m ocformer.export`` and loaded by
 ``transformers``: the same logits (float32, 1e-5 relative), the same greedy
 continuation, and the dataset's tokenizer read by ``AutoTokenizer`` as the task reads
 it. In float64, with one LayerNorm gain per layer (``controls.norm_affine=scalar``,
-written per feature) and GPT-2's tanh GELU, the logits agree to 1e-12. A random start
+written per feature) and GPT-2's tanh GELU, the logits agree to 1e-12. A ViT trained on
+the digits is a ``ViTForImageClassification`` of the same logits. A random start
 that is not GPT-2's architecture is refused, naming what it lacks; a tied readout for
 an image task, or a readout other than a checkpoint's, is refused by the configuration.
 """
@@ -109,15 +110,56 @@ def test_float64_export_of_a_built_model_is_gpt2_to_rounding(tmp_path):
         ([], "untied head with a bias"),
         (["model.readout=tied", "model.norm=post"], "pre-LN layers (model.norm=pre)"),
         (["model.readout=tied", "model.final_norm=false"], "the final LayerNorm"),
+        (
+            ["model.final_norm=false", "task.name=digits"],
+            "written as ViT, whose architecture it must have; it lacks the final LayerNorm",
+        ),
     ],
 )
 def test_a_random_start_without_gpt2_s_architecture_is_refused_naming_it(sets, words, tmp_path):
-    model = build(resolve(SMOKE, sets)).model
+    experiment = SMOKE
+    if "task.name=digits" in sets:
+        experiment, sets = os.path.join(ROOT, "experiments", "digits_vit.py"), sets[:1]
+    model = build(resolve(experiment, sets)).model
     with pytest.raises(ValueError, match=re.escape(words)):
         export_config(model)
     with pytest.raises(ValueError, match=re.escape(words)):
         to_pretrained(model, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_random_start_image_classifier_is_exported_as_vit(tmp_path):
+    """A ViT trained two steps from a random start on the digits (grey 8x8 images, 2x2
+    patches): ``ViTForImageClassification`` gives its logits (float32, 1e-5); built in
+    float64 with GPT-2's tanh GELU, to 1e-12, and ``from_pretrained`` reads it back."""
+    from transformers import ViTForImageClassification
+
+    vit = os.path.join(ROOT, "experiments", "digits_vit.py")
+    small = ["model.num_layers=2", "model.width=16", "model.hidden=32", "train.steps=2",
+             "train.eval_every=2", "train.checkpoint_every=2", "train.progress=false"]  # fmt: skip
+    argv = ["--config", vit, "--workdir", str(tmp_path / "run")]
+    assert train_cli.main([*argv, *(a for s in small for a in ("--set", s))]) == 0
+    config, model = load_run(tmp_path / "run")
+    assert export_cli.main([str(tmp_path / "run"), "--to", str(tmp_path / "hf")]) == 0
+    hf = ViTForImageClassification.from_pretrained(tmp_path / "hf").eval()
+    images = np.asarray(build(config).task.batch("validation", 0, 4, 0)["inputs"])  # (B, 8, 8)
+    ours = np.asarray(model(jnp.asarray(images)), np.float64)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(images[:, None])).logits.double().numpy()
+    assert ours.shape == theirs.shape == (4, 10)
+    assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-5
+    sets = [*small[:3], "model.dtype=float64", "model.activation=gelu_tanh"]
+    model = build(resolve(vit, sets)).model
+    assert export_config(model)["hidden_act"] == "gelu_new"
+    to_pretrained(model, tmp_path / "hf64")
+    hf = ViTForImageClassification.from_pretrained(tmp_path / "hf64", dtype=torch.float64)
+    ours = np.asarray(model(jnp.asarray(images, jnp.float64)))
+    with torch.no_grad():
+        theirs = hf.eval()(torch.tensor(images[:, None], dtype=torch.float64)).logits.numpy()
+    assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-12
+    back = from_pretrained(tmp_path / "hf64")  # channels-last (B, 8, 8, 1)
+    got = np.asarray(back(jnp.asarray(images[..., None], jnp.float64)))
+    np.testing.assert_allclose(got, ours, rtol=0, atol=1e-12)
 
 
 def test_the_export_command_names_the_tied_readout_for_an_untied_run(tmp_path, capsys):

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..models import SequenceModel
+from ..models import PatchEmbedding, SequenceModel
 from ._bert import BERT
 from ._directory import (
     CONFIG_FILE as CONFIG_FILE,  # the file names are read by training's init_from too
@@ -35,7 +35,7 @@ from ._family import Family
 from ._gpt2 import GPT2, describe as describe_gpt2
 from ._layers import check_standard
 from ._matching import match_names, target_dtype
-from ._vit import VIT
+from ._vit import VIT, describe as describe_vit
 
 FAMILIES: dict[str, Family] = {"gpt2": GPT2, "bert": BERT, "vit": VIT}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
@@ -101,16 +101,19 @@ def from_pretrained(
 def export_config(model: SequenceModel) -> dict:
     """The configuration ``to_pretrained`` writes ``model`` with (before it sets
     ``architectures`` and ``dtype``): that of the checkpoint the model came from
-    (``source_config``), or for a model built from an ocformer configuration GPT-2's
-    that describes it, when it has GPT-2's architecture (a language model with a tied
-    readout, ``model.readout=tied``, pre-LN with the final LayerNorm).
+    (``source_config``), or for a model built from an ocformer configuration the one
+    that describes it: GPT-2's for a language model with GPT-2's architecture (a tied
+    readout, ``model.readout=tied``, pre-LN with the final LayerNorm), ViT's for an
+    image classifier with ViT's (square images, pre-LN with the final LayerNorm).
 
     Raises:
-        ValueError: the model came from no checkpoint and is not GPT-2's architecture
+        ValueError: the model came from no checkpoint and has neither architecture
             (naming what it lacks).
     """
     if model.source_config is not None:
         return json.loads(model.source_config)
+    if isinstance(model.embedding, PatchEmbedding):
+        return describe_vit(model)
     return describe_gpt2(model)
 
 

@@ -152,11 +152,74 @@ def _build(c, t, heads):
     return {"embedding": embedding, "transformer": transformer, "head": head}
 
 
+# The ViT name of each activation ours has one for (the exact erf GELU is "gelu").
+_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def _channels(embedding: PatchEmbedding) -> int:
+    """Channels of an image (a grey image of shape (H, W) has one)."""
+    return embedding.input_shape[2] if len(embedding.input_shape) == 3 else 1
+
+
+def describe(model: SequenceModel) -> dict:
+    """The ViT ``config.json`` of an image classifier built from an ocformer
+    configuration (no checkpoint of its own): square patches of a square image with a
+    class token, a pre-LN encoder with the final LayerNorm, and a linear classifier on
+    the class token. No dropout (the model was trained without it).
+
+    Raises:
+        ValueError: naming each part of ``model`` that ViT does not have.
+    """
+    t, embedding, head = model.transformer, model.embedding, model.head
+    activation = t.feedforward.activation
+    square = isinstance(embedding, PatchEmbedding) and (
+        embedding.input_shape[0] == embedding.input_shape[1]
+    )
+    missing = [
+        what
+        for what, ok in [
+            ("square images (an image task's PatchEmbedding)", square),
+            ("a classifier on the class token",
+             isinstance(head, Readout) and head.pooling == "cls"),
+            ("pre-LN layers (model.norm=pre)", t.norm == "pre"),
+            ("non-causal attention", not t.attention.causal),
+            ("the final LayerNorm (model.final_norm=true)", t.final_norm is not None),
+            (f"one of the activations {sorted(_ACTIVATION_NAMES)} (model.activation)",
+             activation in _ACTIVATION_NAMES),
+        ]
+        if not ok
+    ]  # fmt: skip
+    if missing:
+        raise ValueError(
+            "This model came from no checkpoint, so it is written as ViT, whose "
+            f"architecture it must have; it lacks {'; '.join(missing)}."
+        )
+    assert isinstance(embedding, PatchEmbedding) and isinstance(head, Readout)
+    labels = int(head.weight.shape[-1])
+    return {
+        "model_type": "vit",
+        "image_size": embedding.input_shape[0],
+        "patch_size": embedding.patch_size,
+        "num_channels": _channels(embedding),
+        "hidden_size": t.width,
+        "num_hidden_layers": t.num_layers,
+        "num_attention_heads": t.attention.num_heads,
+        "intermediate_size": int(t.layer(0).feedforward.weights[0].shape[-1]),
+        "hidden_act": _ACTIVATION_NAMES[activation],
+        "layer_norm_eps": float(t.layer_norm.eps),
+        "qkv_bias": True,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "id2label": {str(i): f"LABEL_{i}" for i in range(labels)},
+        "label2id": {f"LABEL_{i}": i for i in range(labels)},
+    }
+
+
 def _export(model: SequenceModel, c: dict):
     embedding, final = model.embedding, model.transformer.final_norm
     if not isinstance(embedding, PatchEmbedding) or final is None:
         raise ValueError("A ViT model needs a PatchEmbedding and the final LayerNorm.")
-    p, (_, _, channels) = embedding.patch_size, embedding.input_shape
+    p, channels = embedding.patch_size, _channels(embedding)
     weight = np.asarray(embedding.weight)
     d = weight.shape[1]
     e = "embeddings."
