@@ -3,7 +3,7 @@
 Command:
     python -m ocformer.train --config experiments/smoke.py --workdir runs/smoke
 
-Expected: validation loss 1.79 nats after 60 steps (1.94 after 20), from about 2.08
+Expected: validation loss 1.79 nats after 60 steps (1.94 at step 20 of those 60), from about 2.08
 (ln 8, a uniform guess over 8 symbols); about 18 s of CPU time (with the compilation
 cache off), most of it compilation. The tests run it with fewer steps and change its fields
 with ``--set``; ``get_config("float64")`` gives the same run in double precision.
