@@ -264,7 +264,8 @@ class TrainConfig:
     steps: int = _field(100, "optimiser updates", ge=0)
     seed: int = _field(
         0,
-        "seed of initialisation, data order and sampling (JAX's keys take 32 bits of it)",
+        "seed of initialisation, data order, the validation windows and sampling (JAX's "
+        "keys take 32 bits of it)",
         ge=0,
         lt=2**32,
     )
