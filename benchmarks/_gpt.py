@@ -34,11 +34,13 @@ class GPTShape:
 def gpt_shape(config: Config, vocab: int) -> GPTShape:
     """The reference GPT's shape for ``config``; the references are pre-LN GELU GPTs."""
     m = config.model
-    if m.norm != "pre" or m.activation not in ("gelu", "gelu_tanh") or not m.final_norm:
+    gelu = m.activation in ("gelu", "gelu_tanh")
+    if m.norm != "pre" or not gelu or not m.final_norm or m.readout != "linear":
         raise ValueError(
-            "The flax and PyTorch references are pre-LN GELU GPTs with a final LayerNorm; "
-            f"got model.norm={m.norm!r}, model.activation={m.activation!r}, "
-            f"model.final_norm={m.final_norm!r}. Benchmark a configuration of that kind."
+            "The flax and PyTorch references are pre-LN GELU GPTs with a final LayerNorm "
+            f"and a linear head; got model.norm={m.norm!r}, model.activation="
+            f"{m.activation!r}, model.final_norm={m.final_norm!r}, model.readout="
+            f"{m.readout!r}. Benchmark a configuration of that kind."
         )
     return GPTShape(
         vocab=vocab,

@@ -33,6 +33,9 @@ WORDS = 20_000
 WORDS_PER_BLOCK = 1 << 20
 
 
+DEFAULT_TOKENIZERS = ("char", "bpe:4096")
+
+
 def parse_size(text: str) -> int:
     """``--size``: bytes, or a number with K, M or G (binary units); at least 1."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -102,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         "--size", type=parse_size, default="100M",
         help="corpus bytes (at least; whole blocks of about 7 MB): 1G, 300M, 1000000",
     )  # fmt: skip
-    parser.add_argument("--tokenizer", nargs="+", default=["char", "bpe:4096"])
+    parser.add_argument(
+        "--tokenizer", nargs="+", action="extend", default=None,
+        help=f"tokenizers to measure (repeatable; default: {' '.join(DEFAULT_TOKENIZERS)})",
+    )  # fmt: skip
     parser.add_argument("--chunk-bytes", type=positive_int, default=None)
     parser.add_argument("--dir", type=pathlib.Path, default=None, help="scratch (default: temp)")
     parser.add_argument("--json", type=output_file, default=None, help="write the results here")
@@ -133,7 +139,7 @@ def _measure(args: argparse.Namespace) -> int:
             "startup_rss_mb": round(startup_rss, 1),
             "runs": [],
         }
-        for tokenizer in args.tokenizer:
+        for tokenizer in args.tokenizer or DEFAULT_TOKENIZERS:
             out = scratch / tokenizer.replace(":", "_")
             cmd = [sys.executable, "-m", "ocformer.tasks.prepare", "text", "--input", str(corpus),
                    "--tokenizer", tokenizer, "--out", str(out), "--no-progress"]  # fmt: skip

@@ -111,13 +111,14 @@ def export(
     try:
         written_as = export_config(model)  # type: ignore[arg-type]
     except ValueError as e:  # a random start without GPT-2's or ViT's architecture
-        language = isinstance(model.embedding, TokenEmbedding)  # type: ignore[attr-defined]
+        untied = isinstance(model.embedding, TokenEmbedding) and not model.tied  # type: ignore[attr-defined]
         raise ConfigError(
-            "model.readout" if language else "model.init_from",
-            f"the run in {workdir} started from no Hugging Face checkpoint: {e} Train "
-            + ("with --set model.readout=tied to export a run of your own, or " if language else "")
-            + "start from a checkpoint (--set model.init_from=DIR), which is written back "
-            "in its own format",
+            "model.readout" if untied else "model.init_from",
+            f"the run in {workdir} started from no Hugging Face checkpoint: {e} To export "
+            "a run of your own, train it "
+            + ("with --set model.readout=tied" if untied else "with what it lacks")
+            + ", or start from a checkpoint (--set model.init_from=DIR), which is written "
+            "back in its own format",
         ) from None
     if config.objective.ternary:
         # The kernels the run trained and evaluates with are Q(W), not the latent W the
@@ -194,9 +195,9 @@ def _nesting(path: str, protected: str) -> str | None:
 def _protected(workdir: str, config: Config) -> list[tuple[str, str]]:
     """``(path, what it is)`` for each directory that loading, resuming or evaluating
     the run reads, which the export (it replaces ``--to`` whole) must not touch: the
-    run itself, its dataset, and its chain of starts: the checkpoint or work directory
-    it started from, the start of that work directory, and so on (as each ``run.json``
-    records it)."""
+    run itself, its dataset, the source its configuration names (``model.init_from``),
+    and its chain of starts as each ``run.json`` records it: the checkpoint or work
+    directory it started from, that work directory's dataset and start, and so on."""
     out = [(os.path.abspath(workdir), "the run's own work directory")]
     if config.task.path:
         out.append((os.path.abspath(config.task.path), "the run's dataset (task.path)"))
@@ -206,17 +207,32 @@ def _protected(workdir: str, config: Config) -> list[tuple[str, str]]:
         if not isinstance(source, str) or os.path.realpath(source) in seen:
             break
         seen.add(os.path.realpath(source))
-        first = len(out) == 1 + bool(config.task.path)
         out.append((
             source,
-            ("the checkpoint this run started from" if first else
+            ("the checkpoint this run started from" if run == workdir else
              "a checkpoint in the chain of starts this run came from")
-            + " (model.init_from), which resuming it reads",
+            + " (model.init_from), which loading and resuming it read",
         ))  # fmt: skip
         if started.get("kind") != "run":
             break
+        dataset = run_record(source, "dataset")
+        if isinstance(dataset, dict) and isinstance(dataset.get("path"), str):
+            out.append((dataset["path"], f"the dataset of {source}, a run in the chain of "
+                        "starts this run came from, which rebuilding that run reads"))  # fmt: skip
         run = source
+    if config.model.init_from:  # resumed from another source than run.json records
+        source = _source_path(config.model.init_from)
+        if os.path.realpath(source) not in seen:
+            out.append((source, "the source this run's configuration starts from "
+                        "(model.init_from), which loading and resuming it read"))  # fmt: skip
     return out
+
+
+def _source_path(spec: str) -> str:
+    """The directory ``model.init_from`` names (``PATH@STEP``: PATH), absolute."""
+    head, at, step = spec.rpartition("@")
+    path = head if at and step.isdigit() and os.path.isdir(head) else spec
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -318,28 +318,34 @@ def test_the_export_never_replaces_a_start_of_the_chain_or_the_dataset(
 ):
     """A run that started from a run that started from GPT-2: exporting it into the
     GPT-2 checkpoint (which loading both runs reads) is refused even with
-    ``--overwrite``, and so is exporting into its dataset directory; both stay as they
-    were. (Only the direct start was protected: the root checkpoint was replaced.)"""
+    ``--overwrite``, and so is exporting into its dataset directory or the dataset of
+    the run it started from (rebuilding that run reads it); all stay as they were.
+    (Only the direct start was protected: the root checkpoint was replaced.)"""
     from ocformer.tasks import prepare_text
 
     source = tmp_path / "gpt2"
     shutil.copytree(gpt2[0], source)
     corpus = tmp_path / "c.txt"
     corpus.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
-    prepare_text([str(corpus)], "char", tmp_path / "ds", progress=False)
-    task = ["task.name=tokens", f"task.path={tmp_path / 'ds'}", "train.steps=1"]
-    _train(experiment, tmp_path / "a", f"model.init_from={source}", *task)
-    _train(experiment, tmp_path / "b", f"model.init_from={tmp_path / 'a'}", *task)
-    before = {d: sorted(os.listdir(tmp_path / d)) for d in ("gpt2", "ds")}
+    for name in ("ds", "ds_a"):
+        prepare_text([str(corpus)], "char", tmp_path / name, progress=False)
+    task = ["task.name=tokens", "train.steps=1"]
+    _train(experiment, tmp_path / "a", f"model.init_from={source}", *task,
+           f"task.path={tmp_path / 'ds_a'}")  # fmt: skip
+    _train(experiment, tmp_path / "b", f"model.init_from={tmp_path / 'a'}", *task,
+           f"task.path={tmp_path / 'ds'}")  # fmt: skip
+    kept = ("gpt2", "ds", "ds_a")
+    before = {d: sorted(os.listdir(tmp_path / d)) for d in kept}
     capsys.readouterr()
     for to, words in [
         ("gpt2", "is a checkpoint in the chain of starts this run came from"),
         ("ds", "is the run's dataset (task.path)"),
+        ("ds_a", f"is the dataset of {tmp_path / 'a'}, a run in the chain of starts"),
     ]:
         argv = [str(tmp_path / "b"), "--to", str(tmp_path / to), "--overwrite"]
         assert export_cli.main(argv) == 2
         assert words in capsys.readouterr().err
-    assert {d: sorted(os.listdir(tmp_path / d)) for d in ("gpt2", "ds")} == before
+    assert {d: sorted(os.listdir(tmp_path / d)) for d in kept} == before
     assert export_cli.main([str(tmp_path / "b"), "--to", str(tmp_path / "hf")]) == 0
 
 

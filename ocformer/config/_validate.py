@@ -276,7 +276,9 @@ def _check_combinations(c: Config) -> None:
             "would ignore it: add --set task.name=tokens, or drop task.path",
         )
     _check_task_options(c)
-    if m.readout == "tied" and TASKS[c.task.name].make.kind != "lm":
+    # With model.init_from the source fixes the readout, and a source that does not fit
+    # the task is refused as such once it is read.
+    if m.readout == "tied" and m.init_from is None and TASKS[c.task.name].make.kind != "lm":
         raise ConfigError(
             "model.readout",
             f"a tied readout reads logits from the token embedding, and task.name="

@@ -134,6 +134,16 @@ def norm_arrays(p: NormParams, name: str) -> dict[str, np.ndarray]:
     return {f"{name}.weight": np.asarray(p.scale), f"{name}.bias": np.asarray(p.bias)}
 
 
+def per_feature(tensors: dict[str, np.ndarray], norms: tuple[str, ...], d: int) -> None:
+    """Write the LayerNorm gains and biases of ``tensors`` whose module name (the part
+    before ``.weight``/``.bias``) ends in one of ``norms`` with one entry per feature, in
+    place: a built model's may be one number each (``controls.norm_affine=scalar``), and
+    the checkpoint formats hold ``d``, the same number d times."""
+    for name, value in tensors.items():
+        if name.rsplit(".", 1)[0].split(".")[-1] in norms:
+            tensors[name] = np.broadcast_to(value, (d,)).copy()
+
+
 def replace_arrays(module, where, arrays, dtype):
     """``module`` with the arrays at ``where`` replaced by ``arrays`` in ``dtype``."""
     return eqx.tree_at(where, module, tuple(jnp.asarray(a, dtype) for a in arrays))

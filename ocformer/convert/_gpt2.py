@@ -14,6 +14,7 @@ from ._family import (
     Shapes,
     norm_arrays,
     norm_dict,
+    per_feature,
     read_activation,
     read_eps,
     read_heads,
@@ -121,12 +122,7 @@ def _export(model: SequenceModel, c: dict):
             h + "ln_2.weight": layer["ln2_scale"], h + "ln_2.bias": layer["ln2_bias"],
         }  # fmt: skip
     out |= norm_arrays(final, "ln_f")
-    # A built model's LayerNorm gain and bias may be one number each
-    # (controls.norm_affine=scalar): GPT-2's are per feature, the same number d times.
-    d = embedding.tokens.shape[1]
-    for name, value in out.items():
-        if name.split(".")[-2] in ("ln_1", "ln_2", "ln_f"):
-            out[name] = np.broadcast_to(value, (d,)).copy()
+    per_feature(out, ("ln_1", "ln_2", "ln_f"), embedding.tokens.shape[1])
     return out, {"architectures": ["GPT2LMHeadModel"], "tie_word_embeddings": True}
 
 

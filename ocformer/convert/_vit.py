@@ -16,6 +16,7 @@ from ._family import (
     linear,
     norm_arrays,
     norm_dict,
+    per_feature,
     read_activation,
     read_eps,
     read_heads,
@@ -248,6 +249,7 @@ def _export(model: SequenceModel, c: dict):
             h + "output.dense.weight": linear(layer["w2"]), h + "output.dense.bias": layer["b2"],
         }  # fmt: skip
     out |= norm_arrays(final, "layernorm")
+    per_feature(out, ("layernorm_before", "layernorm_after", "layernorm"), d)
     head = model.head
     if isinstance(head, Readout) and head.pooling == "cls":
         out |= {

@@ -62,8 +62,11 @@ def _check_positive(**values) -> None:
 class TokenEmbedding(AbstractEmbedding):
     r"""$f(x_i, \cdot) = E[s_i] + P[i]$: a symbol table plus learned positions.
 
-    Both tables start as N(0, 1) draws (separate keys), so that tokens have O(1)
-    features with non-zero variance, the regime of the layer-norm projection.
+    Both tables start as N(0, init_std^2) draws (separate keys); the default 1 gives
+    tokens O(1) features with non-zero variance, the regime of the layer-norm
+    projection. A readout tied to the symbol table (``TiedReadout``) reads logits
+    u(T) E^T whose standard deviation is init_std sqrt(d) for a layer-normed u(T):
+    1 / sqrt(d) starts them at unit scale, as a ``Readout`` does.
 
     Args:
         vocab_size: number of symbols.
@@ -71,17 +74,20 @@ class TokenEmbedding(AbstractEmbedding):
         width: d, the feature width.
         key: a ``jax.random`` key.
         dtype: floating dtype of the tables.
+        init_std: standard deviation of the tables' initial entries.
     """
 
     tokens: Float[Array, "V d"]
     positions: Float[Array, "N d"]
 
-    def __init__(self, vocab_size: int, seq_len: int, width: int, *, key, dtype=None):
+    def __init__(self, vocab_size: int, seq_len: int, width: int, *, key, dtype=None, init_std=1.0):
         _check_positive(vocab_size=vocab_size, seq_len=seq_len, width=width)
+        if isinstance(init_std, bool) or not (isinstance(init_std, (int, float)) and init_std > 0):
+            raise ValueError(f"init_std must be a number > 0, got {init_std!r}.")
         dtype = jnp.zeros(()).dtype if dtype is None else dtype
         k_tok, k_pos = jr.split(key)
-        self.tokens = jr.normal(k_tok, (vocab_size, width), dtype)
-        self.positions = jr.normal(k_pos, (seq_len, width), dtype)
+        self.tokens = init_std * jr.normal(k_tok, (vocab_size, width), dtype)
+        self.positions = init_std * jr.normal(k_pos, (seq_len, width), dtype)
 
     @property
     def seq_len(self) -> int:

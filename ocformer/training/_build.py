@@ -4,6 +4,7 @@ constraints, gradient method and optimiser."""
 import dataclasses
 import functools
 import json
+import math
 import os
 from typing import Any, cast
 
@@ -186,7 +187,11 @@ def build_model(config: Config, task, key):
     dtype = _dtype(config)
     k_embed, k_control, k_read = jr.split(key, 3)
     if task.kind == "lm":
-        embedding = TokenEmbedding(task.vocab_size, task.seq_len, m.width, key=k_embed, dtype=dtype)
+        # A tied readout's logits u(T) E^T start at unit scale with E ~ N(0, 1/d).
+        std = 1 / math.sqrt(m.width) if m.readout == "tied" else 1.0
+        embedding = TokenEmbedding(
+            task.vocab_size, task.seq_len, m.width, key=k_embed, dtype=dtype, init_std=std
+        )
         if m.readout == "tied":
             readout = None
         else:
