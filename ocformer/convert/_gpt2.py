@@ -135,7 +135,8 @@ def describe(model: SequenceModel) -> dict:
     configuration (no checkpoint of its own): token and position embeddings, a pre-LN
     causal stack with the final LayerNorm, and logits tied to the token embedding
     (``model.readout=tied``). No dropout (the model was trained without it) and no
-    special token ids (a tokenizer of the run's own has none that GPT-2 knows).
+    special token ids (none was given a role in its training, even where the dataset's
+    tokenizer has special tokens).
 
     Raises:
         ValueError: naming each part of ``model`` that GPT-2 does not have.

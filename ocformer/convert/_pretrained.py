@@ -128,7 +128,7 @@ def to_pretrained(
 
     ``config.json`` is the source configuration with ``architectures`` and ``dtype``
     set (``export_config``: a model built from an ocformer configuration is written as
-    GPT-2 when it has GPT-2's architecture); ``model.safetensors`` holds the tensors in
+    GPT-2 or ViT when it has that architecture); ``model.safetensors`` holds the tensors in
     the names the installed ``transformers`` writes (GPT2LMHeadModel, BertModel,
     ViTForImageClassification or ViTModel), in the model's dtype. The feed-forward
     kernels are reassembled as E + W_1 and R + W_2, so a round trip is exact up to one
@@ -151,11 +151,11 @@ def to_pretrained(
 
     Raises:
         ValueError: ``model`` is not a ``SequenceModel`` of a supported family (one
-            built from an ocformer configuration: not GPT-2's architecture, naming what
-            it lacks), or its transformer is not the standard layer stack (the Lie
-            scheme, one explicit-Euler step per layer, the split formulation,
-            piecewise-constant controls; the fields that differ are named); or
-            ``path`` is a file.
+            built from an ocformer configuration: neither GPT-2's nor ViT's
+            architecture, naming what it lacks), or its transformer is not the
+            standard layer stack (the Lie scheme, one explicit-Euler step per layer,
+            the split formulation, piecewise-constant controls; the fields that
+            differ are named); or ``path`` is a file.
         FileExistsError: ``path`` is a directory that is not empty and that ocformer
             did not write (or holds files besides ocformer's export), and ``overwrite``
             is off. Nothing in it is changed.
