@@ -511,3 +511,21 @@ def test_the_library_refuses_alike():
         MGRIT(relaxation="C")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="MGRIT.costate must be one of 'reverse', 'parallel'"):
         MGRIT(costate="forward")  # type: ignore[arg-type]
+
+
+def test_a_splitting_coarse_stepper_under_a_diffrax_fine_stepper(inputs):
+    """Heun on the smooth pre-LN equation (one ODETerm) with the default coarse Lie
+    scheme (split terms, posed for it): the model is built (its check read the fine
+    stepper's single term as the coarse scheme's and raised AttributeError) and, at
+    K = N, is the serial Heun solve to rounding."""
+    serial = ContinuousTransformer(
+        _control(0.3), norm="pre", num_heads=2, activation="gelu",
+        discretisation=Discretisation(diffrax.Heun(), steps_per_layer=2),
+    )  # fmt: skip
+    par = rediscretise(serial, depth_parallel=Parareal(iterations=LAYERS))
+    u0, key_mask = inputs
+    want = serial(u0, key_mask)
+    got = eqx.filter_jit(par)(u0, key_mask)
+    assert float(jnp.max(jnp.abs(got - want))) < 1e-12 * float(jnp.max(jnp.abs(want)))
+    one_short = rediscretise(serial, depth_parallel=Parareal(iterations=LAYERS - 1))
+    assert float(jnp.max(jnp.abs(one_short(u0, key_mask) - want))) > 1e-10

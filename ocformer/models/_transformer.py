@@ -238,10 +238,15 @@ class ContinuousTransformer(eqx.Module):
         splitting scheme's sequence or groups do not fit the equation's terms."""
         check(self.choices())
         d = self.discretisation
-        coarse = None if d.depth_parallel is None else d.depth_parallel.coarse_stepper
-        for stepper in (d.stepper, coarse):
+        posed = [(d.stepper, self)]
+        if d.depth_parallel is not None:
+            # The coarse stepper steps the equation posed for it: split terms for a
+            # splitting scheme under a fine diffrax solver's single ODETerm, say.
+            coarse = eqx.tree_at(lambda m: m.discretisation, self, d.coarse())
+            posed.append((d.depth_parallel.coarse_stepper, coarse))
+        for stepper, model in posed:
             if isinstance(stepper, AbstractSplittingSolver):
-                stepper.check_terms(len(self.terms().terms))  # pyright: ignore[reportAttributeAccessIssue]
+                stepper.check_terms(len(model.terms().terms))  # pyright: ignore[reportAttributeAccessIssue]
 
     @property
     def num_layers(self) -> int:
