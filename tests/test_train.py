@@ -547,6 +547,35 @@ def test_tensorboard_scalars_are_written_without_importing_torch(tmp_path):
     assert events.stat().st_size > 0
 
 
+def test_a_tensorboard_write_that_fails_raises_instead_of_blocking_the_run(tmp_path):
+    """A full disk under the TensorBoard directory: the write fails in the run's own
+    thread and raises. (tensorboardX's SummaryWriter wrote from a thread, which died of
+    the error while the run blocked on its full queue, with no message, until killed.)"""
+    import subprocess
+    import sys
+
+    code = (
+        "import errno, sys\n"
+        "from tensorboardX import record_writer\n"
+        "from ocformer.training._metrics import TensorBoard\n"
+        "tb = TensorBoard(sys.argv[1], None)\n"
+        "def full(self, data):\n"
+        "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "record_writer.RecordWriter.write = full\n"
+        "try:\n"
+        "    for step in range(100):\n"
+        "        tb.scalars(step, {f'metric{i}': 1.0 for i in range(20)})\n"
+        "except OSError as e:\n"
+        "    print('raised', e.errno == errno.ENOSPC)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "tb")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "raised True"
+
+
 def test_slurms_warning_signal_asks_the_run_to_stop_like_sigterm():
     """SLURM signals every process of a job step with SIGUSR2 ahead of its time limit
     (``--signal=USR2@90``): the run takes it as SIGTERM, a request to checkpoint and

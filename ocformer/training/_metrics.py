@@ -5,6 +5,7 @@ import math
 import os
 import re
 import sys
+import time
 
 from ..checkpointing import atomic_write_text
 
@@ -127,42 +128,60 @@ def rewind_samples(path: str, step: int) -> None:
         atomic_write_text(path, "".join(kept))
 
 
-def _summary_writer() -> type:
-    """tensorboardX's ``SummaryWriter``, imported without PyTorch.
+def _tensorboardx():
+    """tensorboardX's event writer, summaries and protocol buffers, imported without
+    PyTorch: ``(EventsWriter, summary module, event_pb2)``.
 
     tensorboardX imports ``torch`` when it is installed, only to accept its tensors;
     ocformer logs Python floats and text. Where PyTorch is installed (the benchmarks'
     extra) that import would lengthen every run's start (benchmarks/README.md, end to
     end), so unless ``torch`` or tensorboardX is imported already, ``torch`` is hidden
     while tensorboardX loads."""
-    if "tensorboardX" in sys.modules or "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail
+    hide = "tensorboardX" not in sys.modules and "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` fail
     try:
-        from tensorboardX import SummaryWriter
+        from tensorboardX import summary
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
     finally:
-        del sys.modules["torch"]
-    return SummaryWriter
+        if hide:
+            del sys.modules["torch"]
+    return EventsWriter, summary, event_pb2
 
 
 class TensorBoard:
-    """Scalars to ``<workdir>/tb``. ``purge_step`` hides events a killed run logged after
-    its last checkpoint, so curves do not fold back on resume."""
+    """Scalars and text to ``<workdir>/tb``, written by this thread: a write that fails
+    (a full disk) raises here, where the run can report it, instead of stopping a
+    writer thread whose queue then blocks the run (tensorboardX's ``SummaryWriter``).
+    ``purge_step`` hides events a killed run logged after its last checkpoint, so
+    curves do not fold back on resume."""
 
     def __init__(self, logdir: str, purge_step: int | None):
-        self.writer = _summary_writer()(logdir, purge_step=purge_step)
+        writer, self._summary, self._pb = _tensorboardx()
+        os.makedirs(logdir, exist_ok=True)
+        self._writer = writer(os.path.join(logdir, "events"))
+        if purge_step is not None:
+            start = self._pb.SessionLog(status=self._pb.SessionLog.START)
+            self._event(self._pb.Event(step=purge_step, file_version="brain.Event:2"))
+            self._event(self._pb.Event(step=purge_step, session_log=start))
+            self._writer.flush()
+
+    def _event(self, event) -> None:
+        event.wall_time = time.time()
+        self._writer.write_event(event)
 
     def scalars(self, step: int, record: dict) -> None:
         for key, value in record.items():
             if key == "step" or isinstance(value, str | bool):
                 continue
-            self.writer.add_scalar(key, float(value), step)
+            summary = self._summary.scalar(key, float(value))
+            self._event(self._pb.Event(summary=summary, step=step))
+        self._writer.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
-        self.writer.add_text(tag, text, step)
+        self._event(self._pb.Event(summary=self._summary.text(tag, text), step=step))
+        self._writer.flush()
 
     def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
+        self._writer.close()
