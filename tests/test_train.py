@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import time
 import types
 
 import diffrax
@@ -574,6 +575,44 @@ def test_a_tensorboard_write_that_fails_raises_instead_of_blocking_the_run(tmp_p
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "raised True"
+
+
+def test_the_sigterm_grace_period_runs_out_inside_a_long_compiled_computation():
+    """Python runs a signal's handler only once the main thread is back in Python code;
+    a compiled computation that runs synchronously (one with a host callback, as an
+    adaptive solve's error check) held the SIGTERM handler, and with it the grace
+    period's timer, until it ended. The guard's watchdog reads the signal from the
+    interpreter's wake-up pipe: the process ends at the grace period (exit 143)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from ocformer.training._preempt import PreemptionGuard\n"
+        "@jax.jit\n"
+        "def long(x):\n"
+        "    y = jax.lax.fori_loop(0, 2_000_000, lambda i, y: jnp.sin(y @ y) / 64.0, x)\n"
+        "    jax.debug.callback(lambda v: None, y[0, 0])\n"
+        "    return y\n"
+        "x = jnp.ones((64, 64))\n"
+        "long.lower(x).compile()\n"
+        "with PreemptionGuard(1.0):\n"
+        "    print('running', flush=True)\n"
+        "    long(x).block_until_ready()\n"
+        "print('finished', flush=True)\n"
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert run.stdout is not None and run.stdout.readline().strip() == "running"
+    time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 143, (out, err[-2000:])
+    assert "grace period of 1.0s expired" in err and "finished" not in out
+    assert time.monotonic() - sent < 10  # the computation alone takes far longer
 
 
 def test_slurms_warning_signal_asks_the_run_to_stop_like_sigterm():

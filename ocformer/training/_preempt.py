@@ -59,6 +59,10 @@ class PreemptionGuard:
         self._previous: dict | None = None
         self._previous_interrupt = None
         self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the pipe
+        self._previous_wakeup = -1
+        self._watchdog: threading.Thread | None = None
 
     @property
     def requested(self) -> bool:
@@ -66,12 +70,34 @@ class PreemptionGuard:
 
     def _handle(self, signum, frame):
         del signum, frame
-        if self.requested_at is not None:
-            return
-        self.requested_at = time.monotonic()
-        self._timer = threading.Timer(self.grace_s, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        self._request()
+
+    def _request(self) -> None:
+        """Note the request and start the grace period's timer, once."""
+        with self._lock:
+            if self.requested_at is not None:
+                return
+            self.requested_at = time.monotonic()
+            self._timer = threading.Timer(self.grace_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _watch(self, read: int) -> None:
+        """The watchdog thread: Python runs a signal's handler only when the main
+        thread comes back to Python code, which a long compiled computation (an
+        implicit solver's many iterations, say) delays for as long as it runs. The
+        interpreter's own C-level handler writes the signal's number to the wake-up
+        pipe at once; read here, a stop signal starts the grace period even then."""
+        stops = {int(s) for s in STOP_SIGNALS}
+        while True:
+            try:
+                data = os.read(read, 64)
+            except OSError:
+                return
+            if not data:  # the guard closed the pipe
+                return
+            if stops & set(data):
+                self._request()
 
     def _interrupt(self, signum, frame):
         del signum
@@ -124,16 +150,35 @@ class PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
             self._previous_interrupt = signal.signal(signal.SIGINT, self._interrupt)
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            self._wakeup = (read, write)
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            self._watchdog = threading.Thread(
+                target=self._watch, args=(read,), name="ocformer-sigterm", daemon=True
+            )
+            self._watchdog.start()
         return self
 
     def __exit__(self, *exc):
-        if self._timer is not None:
-            self._timer.cancel()
+        # The watchdog first, then the handlers, then the timer: a request that comes
+        # while the guard ends starts no timer that outlives it.
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            read, write = self._wakeup
+            os.close(write)  # the watchdog reads the end of the pipe and returns
+            if self._watchdog is not None:
+                self._watchdog.join(timeout=5.0)
+            os.close(read)
+            self._wakeup, self._watchdog = None, None
         if self._previous is not None:
             for s, h in self._previous.items():
                 signal.signal(s, h)
             signal.signal(signal.SIGINT, self._previous_interrupt)
             self._previous = self._previous_interrupt = None
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
         return False
 
 
