@@ -470,6 +470,9 @@ PREPARE_REFUSALS = [
         "--input", _file(t, "in/a.txt", _GOOD), _file(t, "in/b.txt", _GOOD), f"{t}/in/*.txt",
         "--tokenizer", "char"],
      r"--input .*in/a\.txt is given twice \(by '.*in/a\.txt' and by '.*in/\*\.txt'\)"),
+    ("out-the-current-directory", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char", "--out", "."],
+     r"--out \. is the current directory or holds it; preparing replaces the directory whole"),
     ("file-given-twice-by-two-flags", lambda t: [
         "--input", _file(t, "in/a.txt", _GOOD), "--input", f"{t}/in/*.txt",
         "--tokenizer", "char"],

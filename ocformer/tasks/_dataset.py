@@ -354,6 +354,13 @@ def check_out(out: pathlib.Path) -> None:
         raise CorpusError(
             f"--out {out} is a symbolic link; give the directory itself ({out.resolve()})"
         )
+    here = pathlib.Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise CorpusError(
+            f"--out {out or '.'} is the current directory or holds it; preparing replaces "
+            "the directory whole, which would leave this shell in a deleted directory: "
+            "give a new directory, e.g. --out data/"
+        )
     if out.exists() and not out.is_dir():
         raise CorpusError(f"--out {out} exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()):
@@ -409,6 +416,7 @@ def prepare_text(
     files = expand_inputs(inputs)
     out = pathlib.Path(out)
     check_out(out)
+    out = pathlib.Path(os.path.abspath(out))  # "data/.." has a parent, "." a name
     total = sum(f.stat().st_size for f in files)
 
     def bar(desc: str):
