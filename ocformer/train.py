@@ -25,7 +25,7 @@ import jax
 
 from ._cli import exit_with, fail, skip_shutdown
 from .checkpointing import CheckpointError, CheckpointManager
-from .config import ConfigError, apply_overrides, load_experiment
+from .config import ConfigError, apply_overrides, load_experiment, validate
 from .distributed import DistributedError, initialize, lost_peer
 from .training import (
     COMPILE_CACHE_ENV,
@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        # Validated once, by train(), before anything is built or written.
-        config = apply_overrides(load_experiment(args.config), args.overrides)
+        # Validated here (64-bit JAX is chosen from model.dtype, before anything is
+        # compiled) and by train(), before anything is built or written.
+        config = validate(apply_overrides(load_experiment(args.config), args.overrides))
     except ConfigError as e:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     enable_x64_for_config(config)

@@ -8,6 +8,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import time
 
 import pytest
@@ -384,14 +385,28 @@ def test_bad_config_is_refused_by_name(overrides, field, words, tmp_path, capsys
         ("experiments/smoke.txt", "expected a Python experiment file"),
         ("{tmp}/no_get_config.py", "defines no get_config"),
         ("{tmp}/wrong_type.py", "get_config returned dict"),
+        # Ending the process is an error of the file too (it exited 7, without a word).
+        ("{tmp}/exits.py", "importing it raised SystemExit: 7"),
+        ("{tmp}/exits_in_get_config.py", "get_config(None) raised SystemExit: 5"),
+        # A section that is not one: named (model.dtype was read before validation).
+        ("{tmp}/no_model.py", "model: expected ModelConfig, got NoneType"),
     ],
 )
 def test_bad_experiment_file(spec, words, tmp_path, capsys):
     (tmp_path / "no_get_config.py").write_text("X = 1\n")
     (tmp_path / "wrong_type.py").write_text("def get_config(arg):\n    return {}\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(7)\n")
+    (tmp_path / "exits_in_get_config.py").write_text(
+        "def get_config(arg=None):\n    raise SystemExit(5)\n"
+    )
+    (tmp_path / "no_model.py").write_text(
+        "from ocformer.config import Config\n\n\ndef get_config(arg=None):\n"
+        "    return Config(model=None)\n"
+    )
     spec = spec.format(tmp=tmp_path)
-    with pytest.raises(ConfigError, match=words):
-        load_experiment(spec)
+    if "no_model" not in spec:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_experiment(spec)
     code = cli.main(["--config", spec, "--workdir", str(tmp_path / "run")])
     assert code == 2 and words in capsys.readouterr().err
 

@@ -159,7 +159,7 @@ def load_experiment(spec: str) -> Config:
         raise ConfigError(
             "--config", f"experiment file {where}: SyntaxError: {e.msg}; fix the file"
         ) from None
-    except Exception as e:  # an experiment file runs arbitrary code
+    except (Exception, SystemExit) as e:  # an experiment file runs arbitrary code
         raise ConfigError(
             "--config", f"experiment file {_where(e, path)}: importing it raised {_what(e)}"
         ) from None
@@ -169,7 +169,7 @@ def load_experiment(spec: str) -> Config:
     try:
         with recording():  # the fields its sections are given count as set
             config = get_config(arg)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise ConfigError(
             "--config", f"{spec}: get_config({arg!r}) raised {_what(e)} (at {_where(e, path)})"
         ) from None
@@ -181,11 +181,11 @@ def load_experiment(spec: str) -> Config:
     return config
 
 
-def _what(error: Exception) -> str:
+def _what(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _where(error: Exception, path: str) -> str:
+def _where(error: BaseException, path: str) -> str:
     """``file, line n`` of the innermost frame of ``error`` in the experiment file (the
     innermost frame overall if none is in it)."""
     frames = traceback.extract_tb(error.__traceback__)
