@@ -95,9 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     except TrainingError as e:
         return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
-    text = json.dumps(result, indent=2)
-    if args.json:
-        atomic_write_text(args.json, text + "\n")
     changed = ", ".join(args.overrides) or ("as configured" if args.config else "as trained")
     acc = result.get("val_accuracy")
     print(
@@ -108,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         + ("" if result["solver_steps"] is None else f"   solver steps {result['solver_steps']}"),
         flush=True,
     )
+    if args.json:
+        try:
+            atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
+        except OSError as e:  # checked writable before; a disk that filled since, say
+            return fail(
+                _PROGRAM, 1, f"--json {args.json}: the result (above) could not be written: {e}"
+            )
     return ExitCode.OK
 
 

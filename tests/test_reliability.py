@@ -448,3 +448,29 @@ def test_nan_abort_in_a_real_process_exits_4_naming_the_resume_point(env, tmp_pa
     assert f"The last checkpoint, {step_10}, is finite" in lines[0]
     assert CheckpointManager(os.path.join(workdir, "checkpoints")).steps() == [10]
     assert [r["step"] for r in metrics(workdir)] == list(range(1, 13))
+
+
+def test_a_result_file_that_cannot_be_written_after_the_work_is_named_not_a_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    """``ocformer.evaluate --json FILE`` checks FILE before it evaluates; a write that
+    fails after (a disk that filled meanwhile) ended in a traceback. The result is
+    printed, the failure named, exit 1, and no file is left."""
+    import errno
+
+    from ocformer import evaluate as evaluate_cli
+
+    run = tmp_path / "run"
+    argv = ["--config", SMOKE, "--workdir", str(run), "--set", "train.steps=1"]
+    assert cli.main([*argv, "--set", "train.progress=false"]) == 0
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(evaluate_cli, "atomic_write_text", full)
+    capsys.readouterr()
+    assert evaluate_cli.main([str(run), "--json", str(tmp_path / "r.json")]) == 1
+    out, err = capsys.readouterr()
+    assert "val loss" in out and "Traceback" not in err
+    assert "could not be written: [Errno 28] No space left on device" in err
+    assert not (tmp_path / "r.json").exists()

@@ -217,7 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result))
     if args.json_path:
         # Strict JSON: a non-finite number (the local slope of an exact scheme) as null.
-        atomic_write_text(args.json_path, json.dumps(_finite(result), indent=2, allow_nan=False))
+        text = json.dumps(_finite(result), indent=2, allow_nan=False)
+        try:
+            atomic_write_text(args.json_path, text)
+        except OSError as e:  # checked writable before; a disk that filled since, say
+            return fail(
+                _PROGRAM, 1, f"--json {args.json_path}: the table (above) could not be written: {e}"
+            )
     if args.plot:
         plot_study(result, args.plot)
     return 0
