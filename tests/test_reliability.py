@@ -413,15 +413,27 @@ def test_corrupted_checkpoint_is_refused_quietly(env, reference, tmp_path, files
             assert match[2].startswith((".params.", ".opt_state")), message
 
 
-def test_corrupted_marker_is_refused(reference, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        # Valid JSON of the wrong layout: tracebacks (TypeError, KeyError) before.
+        '{"leaves": 5}',
+        '{"leaves": [{"path": "x", "dtype": "float32"}]}',
+        '{"leaves": [], "metadata": "x"}',
+    ],
+    ids=["not-json", "leaves-a-number", "leaf-without-shape", "metadata-a-string"],
+)
+def test_corrupted_marker_is_refused(text, reference, tmp_path, capsys):
     workdir = _copy_run(reference, tmp_path)
     with open(os.path.join(workdir, "checkpoints", f"step_{STEPS}", MARKER), "w") as f:
-        f.write("{not json")
+        f.write(text)
     code = cli.main(
         ["--config", SMOKE, "--workdir", str(workdir)] + sum((["--set", o] for o in BASE), [])
     )
     assert code == 2
-    assert "commit marker" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "commit marker" in err and "Traceback" not in err
 
 
 def test_checkpoint_of_another_model_shape_is_refused(reference, tmp_path, capsys):

@@ -106,6 +106,36 @@ def _leaf_spec(tree) -> list[dict[str, Any]]:
     ]
 
 
+def _check_marker(record) -> None:
+    """Raise ``ValueError`` naming what is wrong unless ``record`` has the commit
+    marker's layout: ``leaves`` (each a ``path``, a ``shape`` of whole numbers and a
+    ``dtype``), ``sha256`` (one digest or null per leaf, if present) and ``metadata``
+    (a dict, if present)."""
+    if not isinstance(record, dict) or "leaves" not in record:
+        raise ValueError("missing 'leaves'")
+    leaves = record["leaves"]
+    if not isinstance(leaves, list):
+        raise ValueError(f"'leaves' is a {type(leaves).__name__}, not a list")
+    for i, leaf in enumerate(leaves):
+        shape = leaf.get("shape") if isinstance(leaf, dict) else None
+        ok = (
+            isinstance(shape, list)
+            and all(type(n) is int and n >= 0 for n in shape)
+            and isinstance(leaf.get("dtype"), str)
+        )
+        if not ok:
+            raise ValueError(f"leaf {i} is {leaf!r}, not a shape (whole numbers) and a dtype")
+    digests = record.get("sha256")
+    if digests is not None and not (
+        isinstance(digests, list)
+        and len(digests) == len(leaves)
+        and all(d is None or isinstance(d, str) for d in digests)
+    ):
+        raise ValueError("'sha256' is not one digest (or null) per leaf")
+    if not isinstance(record.get("metadata", {}), dict):
+        raise ValueError("'metadata' is not a mapping")
+
+
 def _sha256(a: np.ndarray) -> str:
     """The SHA-256 of an array's bytes (C order)."""
     flat = np.ascontiguousarray(a).reshape(-1)
@@ -361,8 +391,7 @@ class CheckpointManager:
         try:
             with open(marker, encoding="utf-8") as f:
                 record = json.load(f)
-            if not isinstance(record, dict) or "leaves" not in record:
-                raise ValueError("missing 'leaves'")
+            _check_marker(record)
         except (OSError, ValueError) as e:
             raise CorruptedCheckpoint(
                 f"checkpoint {self.path(step)} is corrupted: its commit marker {MARKER} "
