@@ -306,6 +306,53 @@ def test_axis_value_of_the_wrong_type(tmp_path):
     assert "train.steps: expected int, got '4' (str)" in msg
 
 
+def test_seeds_that_repeat_or_are_negative_are_named(tmp_path):
+    """``seeds=(0, 0)`` was refused as two points resolving to one run, naming two
+    other points; ``seeds=(-1,)`` ran as seed 1's slug. Each is named as what it is."""
+    for seeds, words in [
+        ("(0, 0)", "seeds: seeds must differ (each is one run); repeated: [0]"),
+        ("(-1,)", "seeds: a seed is a whole number >= 0, got -1"),
+    ]:
+        msg = _refused(
+            tmp_path,
+            f"""
+            def get_sweep(arg=None):
+                return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layers", [1])],
+                             seeds={seeds})
+            """,
+        )
+        assert words in msg, msg
+
+
+def test_numpy_values_and_nan_are_read_as_their_python_values(tmp_path):
+    """An axis of NumPy integers (``np.arange``) was refused as "expected int, got
+    np.int64(1)"; a NaN override as "expected float, got nan" (NaN != NaN). Both are
+    their values: the NumPy axis plans, and the NaN reaches the field's own check."""
+    path = write_sweep(
+        tmp_path,
+        "numpy",
+        """
+        import numpy as np
+
+
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layers", np.arange(1, 3))])
+        """,
+    )
+    _, _, points = plan(path, workdir=str(tmp_path / "out"), build=False)
+    assert len(points) == 2
+    msg = _refused(
+        tmp_path,
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, axes=[axis("model.num_layers", [1])],
+                         overrides={"optimiser.learning_rate": float("nan")})
+        """,
+        name="nan",
+    )
+    assert "expected float, got nan" not in msg and "optimiser.learning_rate" in msg, msg
+
+
 def test_empty_axis(tmp_path):
     msg = _refused(
         tmp_path,

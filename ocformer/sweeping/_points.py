@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from ..config import (
     ConfigError,
@@ -94,7 +95,12 @@ def _slug_of(labels: dict[str, str]) -> str:
 
 def _same(parsed: Any, value: Any) -> bool:
     """``value`` (from a sweep file) is the value ``parsed`` (its ``--set`` text read
-    back by the field's type); an int is a fine float."""
+    back by the field's type); an int is a fine float, a NumPy scalar its Python value,
+    and NaN is NaN."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(parsed, float) and isinstance(value, float) and parsed != parsed:
+        return value != value  # NaN
     if isinstance(parsed, bool) or isinstance(value, bool):
         return type(parsed) is type(value) and parsed == value
     if isinstance(parsed, float) and isinstance(value, int | float):

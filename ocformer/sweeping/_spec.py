@@ -13,6 +13,8 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._counts import whole_number
+
 
 class SweepError(ValueError):
     """A sweep that cannot run. ``where`` names the file, point or field at fault.
@@ -167,6 +169,13 @@ class Sweep:
     def __post_init__(self):
         if not list(self.seeds):
             raise SweepError("seeds", "no seeds; give at least one, e.g. seeds=(0,)")
+        for seed in self.seeds:
+            if (n := whole_number(seed)) is None or n < 0:
+                raise SweepError("seeds", f"a seed is a whole number >= 0, got {seed!r}")
+        seeds = [int(s) for s in self.seeds]
+        repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+        if repeated:
+            raise SweepError("seeds", f"seeds must differ (each is one run); repeated: {repeated}")
         names = [a.name for a in [*self.axes, *self.evaluate]]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
