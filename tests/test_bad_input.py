@@ -714,11 +714,14 @@ BAD_COMMAND_LINES = [
     ("launch --port taken", _launch_port_taken, 2,
      ["is taken on this machine", "choose another --port"]),
     ("convergence --steps 0,4", _convergence("--steps", "0,4"), 2,
-     ["argument --steps: '0' is not a whole number of steps >= 1"]),
+     ["argument --steps: '0' is not a whole number of steps from 1 to 4096"]),
     # A first value with a minus sign is the list's, not an option's ("expected one
     # argument" from argparse otherwise).
     ("convergence --steps -4,8", _convergence("--steps", "-4,8"), 2,
-     ["argument --steps: '-4' is not a whole number of steps >= 1"]),
+     ["argument --steps: '-4' is not a whole number of steps from 1 to 4096"]),
+    # A grid of 10^11 steps per layer was allocated (17.5 TiB) before anything was said.
+    ("convergence --steps 4,99999999999", _convergence("--steps", "4,99999999999"), 2,
+     ["argument --steps: '99999999999' is not a whole number of steps from 1 to 4096"]),
     ("convergence --epsilons -0.1,0.2", _convergence("--epsilons", "-0.1,0.2"), 2,
      ["argument --epsilons: '-0.1' is not a finite number > 0"]),
     ("convergence --steps 4,abc", _convergence("--steps", "4,abc"), 2,

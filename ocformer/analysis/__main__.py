@@ -53,16 +53,25 @@ def _listed(text: str, parse, what: str, example: str) -> list:
     return values
 
 
+# The finest grid a study takes: its reference solves 8 times as many steps, and past
+# this a grid of 10^11 steps was allocated (17.5 TiB) before anything was said.
+MAX_STEPS_PER_LAYER = 4096
+
+
 def _steps(text: str) -> list[int]:
-    """Steps per layer: positive integers."""
+    """Steps per layer: positive integers up to ``MAX_STEPS_PER_LAYER``."""
 
     def parse(item: str) -> int:
         value = int(item)
-        if value < 1:
+        if not 1 <= value <= MAX_STEPS_PER_LAYER:
             raise ValueError(item)
         return value
 
-    return _listed(text, parse, "a whole number of steps >= 1", "4,8,16,32,64")
+    what = (
+        f"a whole number of steps from 1 to {MAX_STEPS_PER_LAYER} (the reference takes 8 "
+        "times the finest)"
+    )
+    return _listed(text, parse, what, "4,8,16,32,64")
 
 
 def _names(text: str) -> list[str]:
