@@ -421,10 +421,11 @@ class CheckpointManager:
             )
         for h, w in zip(have, want):
             if h["shape"] != w["shape"] or h["dtype"] != w["dtype"]:
+                kind = "shape" if h["shape"] != w["shape"] else "dtype, model.dtype"
                 raise CheckpointError(
                     f"checkpoint {path} does not match the configured model: {w['path']} "
                     f"is {h['dtype']}{h['shape']} in the checkpoint but {w['dtype']}"
-                    f"{w['shape']} in the configuration (a different model shape). Use a "
+                    f"{w['shape']} in the configuration (a different model {kind}). Use a "
                     "new --workdir, or the configuration that wrote it."
                 )
         try:
