@@ -134,6 +134,39 @@ def norm_arrays(p: NormParams, name: str) -> dict[str, np.ndarray]:
     return {f"{name}.weight": np.asarray(p.scale), f"{name}.bias": np.asarray(p.bias)}
 
 
+# The checkpoint formats' name of each activation ours has one for (the inverse of
+# ACTIVATIONS; the exact erf GELU is "gelu").
+ACTIVATION_NAMES: dict[str, str] = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+
+
+def built_activation(model: SequenceModel, family: str, specific) -> str:
+    """The checkpoint format's name of the activation of ``model``, a model built from
+    an ocformer configuration that is to be written as ``family``: refuse it unless it
+    has that family's architecture, ``specific`` (``(what it must have, whether it has
+    it)`` pairs) and what every family here has: pre-LN layers, the final LayerNorm and
+    a named activation.
+
+    Raises:
+        ValueError: naming everything it lacks.
+    """
+    t = model.transformer
+    activation = t.feedforward.activation
+    checks = [
+        *specific,
+        ("pre-LN layers (model.norm=pre)", t.norm == "pre"),
+        ("the final LayerNorm (model.final_norm=true)", t.final_norm is not None),
+        (f"one of the activations {sorted(ACTIVATION_NAMES)} (model.activation)",
+         activation in ACTIVATION_NAMES),
+    ]  # fmt: skip
+    missing = [what for what, ok in checks if not ok]
+    if missing:
+        raise ValueError(
+            f"This model came from no checkpoint, so it is written as {family}, whose "
+            f"architecture it must have; it lacks {'; '.join(missing)}."
+        )
+    return ACTIVATION_NAMES[activation]
+
+
 def per_feature(tensors: dict[str, np.ndarray], norms: tuple[str, ...], d: int) -> None:
     """Write the LayerNorm gains and biases of ``tensors`` whose module name (the part
     before ``.weight``/``.bias``) ends in one of ``norms`` with one entry per feature, in

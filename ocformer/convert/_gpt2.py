@@ -12,6 +12,7 @@ from ..models import SequenceModel, TokenEmbedding
 from ._family import (
     Family,
     Shapes,
+    built_activation,
     norm_arrays,
     norm_dict,
     per_feature,
@@ -126,10 +127,6 @@ def _export(model: SequenceModel, c: dict):
     return out, {"architectures": ["GPT2LMHeadModel"], "tie_word_embeddings": True}
 
 
-# The GPT-2 name of each activation ours has one for (the exact erf GELU is "gelu").
-_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
-
-
 def describe(model: SequenceModel) -> dict:
     """The GPT-2 ``config.json`` of a language model built from an ocformer
     configuration (no checkpoint of its own): token and position embeddings, a pre-LN
@@ -142,27 +139,13 @@ def describe(model: SequenceModel) -> dict:
         ValueError: naming each part of ``model`` that GPT-2 does not have.
     """
     t = model.transformer
-    activation = t.feedforward.activation
-    missing = [
-        what
-        for what, ok in [
-            ("token and position embeddings (a language task's TokenEmbedding)",
-             isinstance(model.embedding, TokenEmbedding)),
-            ("logits tied to the token embedding (model.readout=tied; this model has an "
-             "untied head with a bias, which GPT-2 does not)", model.tied),
-            ("pre-LN layers (model.norm=pre)", t.norm == "pre"),
-            ("causal attention", t.attention.causal),
-            ("the final LayerNorm (model.final_norm=true)", t.final_norm is not None),
-            (f"one of the activations {sorted(_ACTIVATION_NAMES)} (model.activation)",
-             activation in _ACTIVATION_NAMES),
-        ]
-        if not ok
-    ]  # fmt: skip
-    if missing:
-        raise ValueError(
-            "This model came from no checkpoint, so it is written as GPT-2, whose "
-            f"architecture it must have; it lacks {'; '.join(missing)}."
-        )
+    activation = built_activation(model, "GPT-2", [
+        ("token and position embeddings (a language task's TokenEmbedding)",
+         isinstance(model.embedding, TokenEmbedding)),
+        ("logits tied to the token embedding (model.readout=tied; this model has an "
+         "untied head with a bias, which GPT-2 does not)", model.tied),
+        ("causal attention", t.attention.causal),
+    ])  # fmt: skip
     assert isinstance(model.embedding, TokenEmbedding)
     vocab, width = model.embedding.tokens.shape
     return {
@@ -173,7 +156,7 @@ def describe(model: SequenceModel) -> dict:
         "n_layer": t.num_layers,
         "n_head": t.attention.num_heads,
         "n_inner": int(t.layer(0).feedforward.weights[0].shape[-1]),
-        "activation_function": _ACTIVATION_NAMES[activation],
+        "activation_function": activation,
         "layer_norm_epsilon": float(t.layer_norm.eps),
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,

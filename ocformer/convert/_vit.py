@@ -13,6 +13,7 @@ from ..models import PatchEmbedding, Pooler, Readout, SequenceModel
 from ._family import (
     Family,
     Shapes,
+    built_activation,
     linear,
     norm_arrays,
     norm_dict,
@@ -153,10 +154,6 @@ def _build(c, t, heads):
     return {"embedding": embedding, "transformer": transformer, "head": head}
 
 
-# The ViT name of each activation ours has one for (the exact erf GELU is "gelu").
-_ACTIVATION_NAMES = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
-
-
 def _channels(embedding: PatchEmbedding) -> int:
     """Channels of an image (a grey image of shape (H, W) has one)."""
     return embedding.input_shape[2] if len(embedding.input_shape) == 3 else 1
@@ -172,29 +169,15 @@ def describe(model: SequenceModel) -> dict:
         ValueError: naming each part of ``model`` that ViT does not have.
     """
     t, embedding, head = model.transformer, model.embedding, model.head
-    activation = t.feedforward.activation
     square = isinstance(embedding, PatchEmbedding) and (
         embedding.input_shape[0] == embedding.input_shape[1]
     )
-    missing = [
-        what
-        for what, ok in [
-            ("square images (an image task's PatchEmbedding)", square),
-            ("a classifier on the class token",
-             isinstance(head, Readout) and head.pooling == "cls"),
-            ("pre-LN layers (model.norm=pre)", t.norm == "pre"),
-            ("non-causal attention", not t.attention.causal),
-            ("the final LayerNorm (model.final_norm=true)", t.final_norm is not None),
-            (f"one of the activations {sorted(_ACTIVATION_NAMES)} (model.activation)",
-             activation in _ACTIVATION_NAMES),
-        ]
-        if not ok
-    ]  # fmt: skip
-    if missing:
-        raise ValueError(
-            "This model came from no checkpoint, so it is written as ViT, whose "
-            f"architecture it must have; it lacks {'; '.join(missing)}."
-        )
+    activation = built_activation(model, "ViT", [
+        ("square images (an image task's PatchEmbedding)", square),
+        ("a classifier on the class token",
+         isinstance(head, Readout) and head.pooling == "cls"),
+        ("non-causal attention", not t.attention.causal),
+    ])  # fmt: skip
     assert isinstance(embedding, PatchEmbedding) and isinstance(head, Readout)
     labels = int(head.weight.shape[-1])
     return {
@@ -206,7 +189,7 @@ def describe(model: SequenceModel) -> dict:
         "num_hidden_layers": t.num_layers,
         "num_attention_heads": t.attention.num_heads,
         "intermediate_size": int(t.layer(0).feedforward.weights[0].shape[-1]),
-        "hidden_act": _ACTIVATION_NAMES[activation],
+        "hidden_act": activation,
         "layer_norm_eps": float(t.layer_norm.eps),
         "qkv_bias": True,
         "hidden_dropout_prob": 0.0,
