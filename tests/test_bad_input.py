@@ -722,6 +722,10 @@ BAD_COMMAND_LINES = [
     # A grid of 10^11 steps per layer was allocated (17.5 TiB) before anything was said.
     ("convergence --steps 4,99999999999", _convergence("--steps", "4,99999999999"), 2,
      ["argument --steps: '99999999999' is not a whole number of steps from 1 to 4096"]),
+    ("convergence --relaxation-eps 1e-9", _convergence(
+        "--formulation", "relaxed", "--relaxation-eps", "1e-9", "--schemes", "kvaerno3",
+        "--steps", "4,8"), 2,
+     ["the reference would take 1000000000 steps per layer", "more than 32768"]),
     ("convergence --epsilons -0.1,0.2", _convergence("--epsilons", "-0.1,0.2"), 2,
      ["argument --epsilons: '-0.1' is not a finite number > 0"]),
     ("convergence --steps 4,abc", _convergence("--steps", "4,abc"), 2,

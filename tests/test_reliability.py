@@ -420,9 +420,16 @@ def test_corrupted_checkpoint_is_refused_quietly(env, reference, tmp_path, files
         # Valid JSON of the wrong layout: tracebacks (TypeError, KeyError) before.
         '{"leaves": 5}',
         '{"leaves": [{"path": "x", "dtype": "float32"}]}',
+        '{"leaves": [{"shape": [2], "dtype": "float32"}]}',
         '{"leaves": [], "metadata": "x"}',
     ],
-    ids=["not-json", "leaves-a-number", "leaf-without-shape", "metadata-a-string"],
+    ids=[
+        "not-json",
+        "leaves-a-number",
+        "leaf-without-shape",
+        "leaf-without-path",
+        "metadata-a-string",
+    ],
 )
 def test_corrupted_marker_is_refused(text, reference, tmp_path, capsys):
     workdir = _copy_run(reference, tmp_path)

@@ -615,6 +615,35 @@ def test_the_sigterm_grace_period_runs_out_inside_a_long_compiled_computation():
     assert time.monotonic() - sent < 10  # the computation alone takes far longer
 
 
+def test_a_forked_child_s_sigterm_is_not_a_request_to_stop_the_parent():
+    """A child forked while the guard is active (a ``multiprocessing`` worker of task
+    code, which ``terminate`` ends with SIGTERM) would write its signal into the
+    parent's wake-up pipe, and the parent would stop as if preempted; the child drops
+    the pipe. A second signal while the first is being noted does not deadlock."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from ocformer.training._preempt import PreemptionGuard\n"
+        "with PreemptionGuard(60.0) as guard:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(0.2)\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "    time.sleep(0.5)\n"
+        "    print('parent requested', guard.requested, flush=True)\n"
+        "    with guard._lock:\n"
+        "        guard._handle(signal.SIGTERM, None)\n"
+        "    print('noted', guard.requested, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["parent requested False", "noted True"]
+
+
 def test_slurms_warning_signal_asks_the_run_to_stop_like_sigterm():
     """SLURM signals every process of a job step with SIGUSR2 ahead of its time limit
     (``--signal=USR2@90``): the run takes it as SIGTERM, a request to checkpoint and

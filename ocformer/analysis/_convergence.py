@@ -28,6 +28,9 @@ from ..splitting import SCHEMES, SOLVERS, AbstractSplittingSolver, Strang
 
 STUDY_FORMULATIONS: tuple[str, ...] = ("pre", "projected", "relaxed")
 REFERENCE_SOLVER = "tsit5"
+# The finest reference grid a study builds (per layer): past it the arrays outgrow any
+# machine (10^11 steps asked 17.5 TiB) before a word was said.
+MAX_REFERENCE_STEPS_PER_LAYER = 8 * 4096
 
 
 def fitted_slope(dts: Sequence[float], errors: Sequence[float]) -> float:
@@ -260,6 +263,13 @@ def convergence_study(
     ref_steps = reference_factor * (relaxed_steps if eps_study else steps[-1])
     if relaxation_eps is not None:
         ref_steps = max(ref_steps, math.ceil(length / relaxation_eps))
+    if ref_steps > MAX_REFERENCE_STEPS_PER_LAYER:
+        raise ValueError(
+            f"the reference would take {ref_steps} steps per layer (8 times the finest "
+            "step count, and at least 1/relaxation_eps for the explicit reference), more "
+            f"than {MAX_REFERENCE_STEPS_PER_LAYER}; study fewer steps or a larger "
+            "relaxation_eps"
+        )
     ref_discretisation = Discretisation(SOLVERS[REFERENCE_SOLVER](), steps_per_layer=ref_steps)
     if relaxation_eps is not None:
         model = reformulate(

@@ -122,9 +122,12 @@ def _check_marker(record) -> None:
             isinstance(shape, list)
             and all(type(n) is int and n >= 0 for n in shape)
             and isinstance(leaf.get("dtype"), str)
+            and isinstance(leaf.get("path"), str)
         )
         if not ok:
-            raise ValueError(f"leaf {i} is {leaf!r}, not a shape (whole numbers) and a dtype")
+            raise ValueError(
+                f"leaf {i} is {leaf!r}, not a path, a shape (whole numbers) and a dtype"
+            )
     digests = record.get("sha256")
     if digests is not None and not (
         isinstance(digests, list)

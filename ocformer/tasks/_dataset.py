@@ -354,10 +354,13 @@ def check_out(out: pathlib.Path) -> None:
         raise CorpusError(
             f"--out {out} is a symbolic link; give the directory itself ({out.resolve()})"
         )
-    here = pathlib.Path.cwd().resolve()
-    if out.resolve() == here or out.resolve() in here.parents:
+    try:
+        here = pathlib.Path.cwd().resolve()
+    except OSError:  # the current directory was deleted: no path can hold it
+        here = None
+    if here is not None and (out.resolve() == here or out.resolve() in here.parents):
         raise CorpusError(
-            f"--out {out or '.'} is the current directory or holds it; preparing replaces "
+            f"--out {out} is the current directory or holds it; preparing replaces "
             "the directory whole, which would leave this shell in a deleted directory: "
             "give a new directory, e.g. --out data/"
         )

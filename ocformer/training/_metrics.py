@@ -1,5 +1,6 @@
 """Metrics: one JSON object per line in ``metrics.jsonl``, mirrored to TensorBoard."""
 
+import contextlib
 import json
 import math
 import os
@@ -157,19 +158,32 @@ class TensorBoard:
     ``purge_step`` hides events a killed run logged after its last checkpoint, so
     curves do not fold back on resume."""
 
+    # Seconds between flushes (each one an fsync): TensorBoard shows a live run's
+    # curves within this, and a loop of short steps does not wait on the disk.
+    FLUSH_EVERY_S = 10.0
+
     def __init__(self, logdir: str, purge_step: int | None):
         writer, self._summary, self._pb = _tensorboardx()
         os.makedirs(logdir, exist_ok=True)
-        self._writer = writer(os.path.join(logdir, "events"))
+        # The file is named by the second it was opened in; a second writer within the
+        # same second (a quick resume) would truncate the first's file without a suffix.
+        suffix = f".{os.getpid()}-{time.monotonic_ns()}"
+        self._writer = writer(os.path.join(logdir, "events"), filename_suffix=suffix)
+        self._flushed = time.monotonic()
         if purge_step is not None:
             start = self._pb.SessionLog(status=self._pb.SessionLog.START)
             self._event(self._pb.Event(step=purge_step, file_version="brain.Event:2"))
             self._event(self._pb.Event(step=purge_step, session_log=start))
-            self._writer.flush()
+            self._flush()
 
     def _event(self, event) -> None:
         event.wall_time = time.time()
         self._writer.write_event(event)
+
+    def _flush(self, due: bool = True) -> None:
+        if due or time.monotonic() - self._flushed >= self.FLUSH_EVERY_S:
+            self._writer.flush()
+            self._flushed = time.monotonic()
 
     def scalars(self, step: int, record: dict) -> None:
         for key, value in record.items():
@@ -177,11 +191,17 @@ class TensorBoard:
                 continue
             summary = self._summary.scalar(key, float(value))
             self._event(self._pb.Event(summary=summary, step=step))
-        self._writer.flush()
+        self._flush(due=False)
 
     def text(self, step: int, tag: str, text: str) -> None:
         self._event(self._pb.Event(summary=self._summary.text(tag, text), step=step))
-        self._writer.flush()
+        self._flush(due=False)
 
     def close(self) -> None:
-        self._writer.close()
+        """Flush and close the file; closed even when the flush fails (a full disk),
+        whose error is raised after."""
+        try:
+            self._writer.flush()
+        finally:
+            with contextlib.suppress(OSError):  # the flush's error is the one to raise
+                self._writer.close()

@@ -59,7 +59,7 @@ class PreemptionGuard:
         self._previous: dict | None = None
         self._previous_interrupt = None
         self._timer: threading.Timer | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a second signal may come while it is held
         self._wakeup: tuple[int, int] | None = None  # (read, write) ends of the pipe
         self._previous_wakeup = -1
         self._watchdog: threading.Thread | None = None
@@ -98,6 +98,10 @@ class PreemptionGuard:
                 return
             if stops & set(data):
                 self._request()
+            others = bytes(b for b in data if b not in stops)
+            if others and self._previous_wakeup >= 0:  # the signals of its earlier owner
+                with contextlib.suppress(OSError):
+                    os.write(self._previous_wakeup, others)
 
     def _interrupt(self, signum, frame):
         del signum
@@ -150,27 +154,67 @@ class PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
             self._previous_interrupt = signal.signal(signal.SIGINT, self._interrupt)
-            read, write = os.pipe()
-            os.set_blocking(write, False)
-            self._wakeup = (read, write)
-            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-            self._watchdog = threading.Thread(
-                target=self._watch, args=(read,), name="ocformer-sigterm", daemon=True
-            )
-            self._watchdog.start()
+            self._start_watchdog()
         return self
+
+    def _start_watchdog(self) -> None:
+        """The wake-up pipe and its reader (``_watch``); without them (no descriptor
+        left, say) the guard works as before, through Python's handler alone."""
+        global _active
+        try:
+            read, write = os.pipe()
+        except OSError:
+            return
+        try:
+            os.set_blocking(write, False)
+            self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except (OSError, ValueError):
+            os.close(read)
+            os.close(write)
+            return
+        self._wakeup = (read, write)
+        self._watchdog = threading.Thread(
+            target=self._watch, args=(read,), name="ocformer-sigterm", daemon=True
+        )
+        try:
+            self._watchdog.start()
+        except RuntimeError:  # no thread can be started
+            self._watchdog = None
+            self._stop_watchdog()
+            return
+        _active = self
+
+    def _stop_watchdog(self) -> None:
+        global _active
+        if self._wakeup is None:
+            return
+        signal.set_wakeup_fd(self._previous_wakeup)
+        read, write = self._wakeup
+        os.close(write)  # the watchdog reads the end of the pipe and returns
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=5.0)
+        os.close(read)
+        self._wakeup, self._watchdog = None, None
+        if _active is self:
+            _active = None
+
+    def _forget_in_child(self) -> None:
+        """In a process forked while the guard is active: its signals are its own,
+        not requests to stop the parent (``multiprocessing``'s ``terminate`` sends a
+        forked worker SIGTERM), so the pipe and the wake-up descriptor go."""
+        if self._wakeup is None:
+            return
+        with contextlib.suppress(ValueError, OSError):  # not the child's main thread
+            signal.set_wakeup_fd(-1)
+        for fd in self._wakeup:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wakeup, self._watchdog = None, None
 
     def __exit__(self, *exc):
         # The watchdog first, then the handlers, then the timer: a request that comes
         # while the guard ends starts no timer that outlives it.
-        if self._wakeup is not None:
-            signal.set_wakeup_fd(self._previous_wakeup)
-            read, write = self._wakeup
-            os.close(write)  # the watchdog reads the end of the pipe and returns
-            if self._watchdog is not None:
-                self._watchdog.join(timeout=5.0)
-            os.close(read)
-            self._wakeup, self._watchdog = None, None
+        self._stop_watchdog()
         if self._previous is not None:
             for s, h in self._previous.items():
                 signal.signal(s, h)
@@ -180,6 +224,19 @@ class PreemptionGuard:
             if self._timer is not None:
                 self._timer.cancel()
         return False
+
+
+# The guard whose watchdog is running, for a forked child to drop (one at a time: a
+# guard is entered by the main thread, around one run).
+_active: PreemptionGuard | None = None
+
+
+def _after_fork_in_child() -> None:
+    if _active is not None:
+        _active._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _in_gc_callback(frame) -> bool:

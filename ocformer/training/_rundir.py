@@ -769,11 +769,13 @@ class RunDirectory:
 
     def close(self) -> None:
         try:
-            if self._tb is not None:
-                self._tb.close()
-                self._tb = None
-            if self.checkpoints is not None:
-                self.checkpoints.close()
+            try:
+                if self._tb is not None:
+                    tb, self._tb = self._tb, None
+                    tb.close()
+            finally:  # a TensorBoard file that failed (a full disk) leaves the saves
+                if self.checkpoints is not None:
+                    self.checkpoints.close()
         finally:
             # Last: every write above is finished before another writer may start.
             self._lock.release()
