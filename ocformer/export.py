@@ -36,7 +36,14 @@ from .convert import export_config, to_pretrained
 from .models import TokenEmbedding
 from .objective import Ternary, feedforward_kernels, with_feedforward_kernels
 from .tasks import TOKENIZER_FILE
-from .training import ExitCode, WorkdirError, enable_x64_for_run, load_run, run_record
+from .training import (
+    ExitCode,
+    WorkdirError,
+    enable_x64_for_run,
+    load_run,
+    parse_source,
+    run_record,
+)
 
 _PROGRAM = "ocformer.export"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -221,18 +228,11 @@ def _protected(workdir: str, config: Config) -> list[tuple[str, str]]:
                         "starts this run came from, which rebuilding that run reads"))  # fmt: skip
         run = source
     if config.model.init_from:  # resumed from another source than run.json records
-        source = _source_path(config.model.init_from)
+        source = parse_source(config.model.init_from).path  # it loaded: it exists
         if os.path.realpath(source) not in seen:
             out.append((source, "the source this run's configuration starts from "
                         "(model.init_from), which loading and resuming it read"))  # fmt: skip
     return out
-
-
-def _source_path(spec: str) -> str:
-    """The directory ``model.init_from`` names (``PATH@STEP``: PATH), absolute."""
-    head, at, step = spec.rpartition("@")
-    path = head if at and step.isdigit() and os.path.isdir(head) else spec
-    return os.path.abspath(os.path.expanduser(path))
 
 
 def _parser() -> argparse.ArgumentParser:

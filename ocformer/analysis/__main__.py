@@ -18,7 +18,11 @@ from ..checkpointing import atomic_write_text, output_problem
 
 # Importing the study makes no array (the package's __init__ has imported it already),
 # so 64-bit JAX, enabled in main before anything is computed, still applies.
-from ._convergence import STUDY_FORMULATIONS
+from ._convergence import (
+    MAX_REFERENCE_STEPS_PER_LAYER,
+    REFERENCE_FACTOR,
+    STUDY_FORMULATIONS,
+)
 
 _PROGRAM = "ocformer.analysis"
 
@@ -53,9 +57,8 @@ def _listed(text: str, parse, what: str, example: str) -> list:
     return values
 
 
-# The finest grid a study takes: its reference solves 8 times as many steps, and past
-# this a grid of 10^11 steps was allocated (17.5 TiB) before anything was said.
-MAX_STEPS_PER_LAYER = 4096
+# The finest grid a study takes: its reference solves REFERENCE_FACTOR times as many.
+MAX_STEPS_PER_LAYER = MAX_REFERENCE_STEPS_PER_LAYER // REFERENCE_FACTOR
 
 
 def _steps(text: str) -> list[int]:
@@ -68,8 +71,8 @@ def _steps(text: str) -> list[int]:
         return value
 
     what = (
-        f"a whole number of steps from 1 to {MAX_STEPS_PER_LAYER} (the reference takes 8 "
-        "times the finest)"
+        f"a whole number of steps from 1 to {MAX_STEPS_PER_LAYER} (the reference takes "
+        f"{REFERENCE_FACTOR} times the finest)"
     )
     return _listed(text, parse, what, "4,8,16,32,64")
 

@@ -28,9 +28,11 @@ from ..splitting import SCHEMES, SOLVERS, AbstractSplittingSolver, Strang
 
 STUDY_FORMULATIONS: tuple[str, ...] = ("pre", "projected", "relaxed")
 REFERENCE_SOLVER = "tsit5"
+# The reference's steps per layer over the finest studied (``reference_factor``).
+REFERENCE_FACTOR = 8
 # The finest reference grid a study builds (per layer): past it the arrays outgrow any
 # machine (10^11 steps asked 17.5 TiB) before a word was said.
-MAX_REFERENCE_STEPS_PER_LAYER = 8 * 4096
+MAX_REFERENCE_STEPS_PER_LAYER = REFERENCE_FACTOR * 4096
 
 
 def fitted_slope(dts: Sequence[float], errors: Sequence[float]) -> float:
@@ -178,7 +180,7 @@ def convergence_study(
     *,
     formulation: str | None = None,
     seed: int = 0,
-    reference_factor: int = 8,
+    reference_factor: int = REFERENCE_FACTOR,
     epsilons: Sequence[float] = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3),
     relaxed_solver: str = "kencarp5",
     relaxed_steps: int = 32,
@@ -265,8 +267,9 @@ def convergence_study(
         ref_steps = max(ref_steps, math.ceil(length / relaxation_eps))
     if ref_steps > MAX_REFERENCE_STEPS_PER_LAYER:
         raise ValueError(
-            f"the reference would take {ref_steps} steps per layer (8 times the finest "
-            "step count, and at least 1/relaxation_eps for the explicit reference), more "
+            f"the reference would take {ref_steps} steps per layer ({reference_factor} times "
+            "the finest step count, and at least 1/relaxation_eps for the explicit "
+            "reference), more "
             f"than {MAX_REFERENCE_STEPS_PER_LAYER}; study fewer steps or a larger "
             "relaxation_eps"
         )

@@ -22,6 +22,7 @@ from ._errors import (
 from ._init_from import (
     enable_x64_for_config as enable_x64_for_config,
     enable_x64_for_run as enable_x64_for_run,
+    parse_source as parse_source,
     run_needs_x64 as run_needs_x64,
     start_needs_x64 as start_needs_x64,
     tokenizer_mismatch as tokenizer_mismatch,
