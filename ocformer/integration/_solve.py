@@ -8,7 +8,7 @@ from jaxtyping import Array, Bool
 
 from ..controls import AbstractControl
 from ..dynamics import DynamicsArgs
-from ..splitting import AbstractSplittingSolver, inner_solver, with_inner_solver
+from ..splitting import AbstractSplittingSolver, inner_solver, is_implicit, with_inner_solver
 from ._depth import chunk_controls
 from ._discretisation import Discretisation
 from ._grid import (
@@ -99,10 +99,13 @@ def solve(
         max_steps=max_steps,
         adjoint=adjoint,
         saveat=diffrax.SaveAt(t1=True) if saveat is None else saveat,
-        # A constant grid takes exactly max_steps steps, none of them rejected: no solve
-        # on it can fail, and throw's check would be a host callback, which keeps the
-        # program out of JAX's persistent compilation cache (``GridSteps``).
-        throw=adaptive,
+        # A constant grid takes exactly max_steps steps, none of them rejected: an
+        # explicit solve on it cannot fail, and throw's check would be a host callback,
+        # which keeps the program out of JAX's persistent compilation cache
+        # (``GridSteps``). An implicit stage equation can have no root within reach,
+        # and diffrax then ends the solve at that step with the state it had: thrown,
+        # never returned as u(T).
+        throw=adaptive or is_implicit(inner_solver(stepper)),
     )
     if not cast_back or sol.ys is None or jax.tree.leaves(sol.ys)[0].dtype == u0.dtype:
         return sol

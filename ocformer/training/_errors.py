@@ -52,14 +52,25 @@ class SolverFailure(TrainingError):
     def __init__(self, step: int, solver_message: str, where: str | None = None):
         self.solver_message = solver_message
         where = f"at training step {step}" if where is None else where
-        super().__init__(
-            step,
-            f"the ODE solve failed {where}: {solver_message.strip()} "
-            "Loosen discretisation.rtol/atol (a tolerance below the dtype's resolution, "
-            "1.2e-7 in float32, cannot be met), use discretisation.stepsize=constant, or give "
-            "the solver more steps (an adaptive solve may take "
-            f"{ADAPTIVE_STEPS_PER_LAYER} x discretisation.steps_per_layer per layer).",
-        )
+        if "nonlinear solve" in solver_message.lower():
+            # An implicit solver's stage equation z = y + gamma dt f(z): on a constant
+            # grid its failure ends the solve (``ocformer.integration.solve``).
+            advice = (
+                "An implicit solver's stage equation z = y + gamma * dt * f(z) found no "
+                "root: the field's Lipschitz constant times dt is too large for it. Give "
+                "it more steps (discretisation.steps_per_layer), use "
+                "discretisation.stepsize=pid (a failed stage solve is then a rejected, "
+                "smaller step), or an explicit solver."
+            )
+        else:
+            advice = (
+                "Loosen discretisation.rtol/atol (a tolerance below the dtype's "
+                "resolution, 1.2e-7 in float32, cannot be met), use "
+                "discretisation.stepsize=constant, or give the solver more steps (an "
+                f"adaptive solve may take {ADAPTIVE_STEPS_PER_LAYER} x "
+                "discretisation.steps_per_layer per layer)."
+            )
+        super().__init__(step, f"the ODE solve failed {where}: {solver_message.strip()} {advice}")
 
     @classmethod
     def from_error(cls, step: int, error: Exception, where: str | None = None) -> "SolverFailure":
@@ -71,9 +82,11 @@ class SolverFailure(TrainingError):
         if marker in text:  # the message of a runtime error re-raised by JAX
             text = text.split(marker, 1)[1]
         text = text.split("\n---", 1)[0].strip()
-        # diffrax's advice names its own argument, which ocformer derives from the grid
-        # (the advice of the message above names what sets it).
-        return cls(step, text.replace(" Try increasing `max_steps`.", "").strip(), where)
+        # diffrax's and optimistix's advice names their own arguments, which ocformer
+        # derives from the grid (the advice of the message above names what sets it).
+        for advice in (" Try increasing `max_steps`.", ", or you may need to increase `max_steps`"):
+            text = text.replace(advice, "")
+        return cls(step, text.strip(), where)
 
 
 class NonFiniteEvaluation(TrainingError):
