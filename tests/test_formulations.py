@@ -308,3 +308,81 @@ def test_otd_refusals_give_the_reason_per_scheme_and_formulation(pre, post):
         with pytest.raises(IncompatibleError, match="grow like exp.T/eps.") as info:
             rediscretise(relaxed, stepper=stepper, steps_per_layer=8, gradient=otd)
         assert info.value.field == "discretisation.gradient"
+
+
+def test_a_failed_implicit_stage_on_a_constant_grid_is_raised_not_returned(pre):
+    """A stage equation without a root within reach ends diffrax's solve at that step,
+    with the state it had: on a constant grid that state used to come back as u(T)
+    (a finite, wrong output). The solve raises instead, and the training command's
+    SolverFailure names what to change."""
+    import equinox as eqx
+
+    from ocformer.training import SolverFailure
+
+    u0 = study_input(pre)
+    stiff = jax.tree.map(lambda x: 5.0 * x if eqx.is_inexact_array(x) else x, pre)
+    implicit = rediscretise(stiff, stepper=diffrax.Kvaerno3(), steps_per_layer=4)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="nonlinear solver") as raised:
+        implicit(u0)
+    message = str(SolverFailure.from_error(3, raised.value))
+    assert "found no root" in message and "discretisation.steps_per_layer" in message
+    assert "max_steps" not in message
+    # The unscaled model solves on the same grid.
+    assert jnp.all(
+        jnp.isfinite(rediscretise(pre, stepper=diffrax.Kvaerno3(), steps_per_layer=4)(u0))
+    )
+
+
+def _implicit_and_whole(model, batch=2):
+    """``model`` under Kvaerno 3 at 4 steps per layer (Newton to 1e-10), a batch of
+    inputs with padded keys, and diffrax's solve of that batch as one state."""
+    from ocformer.integration import solve
+
+    model = rediscretise(
+        model, stepper=diffrax.Kvaerno3(), steps_per_layer=4, rtol=1e-10, atol=1e-10
+    )
+    u0 = jnp.stack([study_input(model, seed=s) for s in range(batch)])
+    key_mask = jnp.ones(u0.shape[:-1], bool).at[1, -2:].set(False)
+
+    def whole(m, saveat=None):
+        return solve(
+            m.terms(), m.time_stepper(), m.control, m.initial_state(u0), m.discretisation,
+            key_mask=key_mask, saveat=saveat,
+        )  # fmt: skip
+
+    return model, u0, key_mask, whole
+
+
+def test_an_implicit_solve_on_a_constant_grid_is_the_batched_one_example_by_example(pre):
+    """An implicit solver on a constant grid solves a batch example by example (its
+    Newton Jacobians block by block): the states at every step, the times and the
+    statistics are those of diffrax's solve of the whole batch."""
+    model, u0, key_mask, whole = _implicit_and_whole(pre)
+    saveat = diffrax.SaveAt(t0=True, steps=True)
+    sol, ref = model.solve(u0, key_mask, saveat), whole(model, saveat)
+    steps = 4 * model.num_layers
+    assert sol.ys.shape == ref.ys.shape == (steps + 1, 2, 6, model.width)
+    np.testing.assert_allclose(sol.ys, ref.ys, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(sol.ts, ref.ts)
+    assert int(sol.stats["num_steps"]) == int(ref.stats["num_steps"]) == steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["pre", "post"])
+def test_the_gradient_of_an_implicit_solve_example_by_example_is_the_batched_one(
+    model_name, request
+):
+    """The same gradients as differentiating diffrax's solve of the whole batch (its
+    stage solves' implicit-function gradients included), through the projected
+    formulation's ``ProjectedSolver`` too."""
+    import equinox as eqx
+
+    model, u0, key_mask, whole = _implicit_and_whole(request.getfixturevalue(model_name))
+
+    def loss(m, states):
+        return jnp.sum(jnp.sin(states(m)))
+
+    grad = eqx.filter_grad(loss)(model, lambda m: m(u0, key_mask))
+    grad_ref = eqx.filter_grad(loss)(model, lambda m: m.final_projection(whole(m).ys[-1]))
+    for g, r in zip(jax.tree.leaves(grad.control), jax.tree.leaves(grad_ref.control), strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11)
