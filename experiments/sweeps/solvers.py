@@ -17,8 +17,10 @@ steps, Euler 0.343 / 0.470 / 0.585 at NFE 2 / 4 / 8; Heun 0.824 / 0.755 / 0.737 
 4 / 8 / 16); midpoint 0.672 / 0.725 / 0.732; Tsit5 0.758 / 0.733 / 0.733 (NFE 14 / 26 /
 50); Tsit5 + PID 0.733 at NFE 38-44 (one rejected step). Once the solve is accurate,
 every solver trains to the same 0.733 (training the equation itself); the cheapest and
-least accurate discretisation, Euler at one step per layer (exactly a pre-LN
-Transformer), trains best on this task and budget.
+least accurate discretisation, Euler at one step per layer, trains best on this task and
+budget. Euler steps the sum of the fields: at one step per layer it is the
+parallel-block Transformer (the ``parallel`` splitting scheme), not the standard pre-LN
+Transformer, which is Lie at one step per layer.
 """
 
 from ocformer.sweeping import Sweep, axis, zipped
