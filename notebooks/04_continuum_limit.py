@@ -22,10 +22,10 @@
 # $u(T)$ and of the loss to a fine reference (Tsit5, 32 steps per layer), with
 # `ocformer.analysis.discretisation_study`.
 #
-# The model is the one `make train` writes to `runs/shakespeare_char` if it is there
-# (or the run in `OCFORMER_RUN`); otherwise two short runs trained here: piecewise-constant
-# controls under Lie with one step per layer (the standard network), and smooth
-# (Legendre basis) controls under Heun with two steps per layer.
+# The models are two short runs trained here: piecewise-constant controls under Lie with
+# one step per layer (the standard network), and smooth (Legendre basis) controls under
+# Heun with two steps per layer. Set `OCFORMER_RUN` to a work directory to analyse that
+# run instead (`OCFORMER_RUN=../runs/shakespeare_char` for the one `make train` writes).
 
 # %%
 import os
@@ -50,11 +50,7 @@ from ocformer.training import build, load_run, train  # noqa: E402
 
 SMALL = os.environ.get("OCFORMER_NOTEBOOK_SMALL") == "1"
 FIGURES = os.environ.get("OCFORMER_FIGURES")
-ROOT = os.getcwd()  # the notebooks folder when run by Jupyter or `make notebooks`
-DEFAULT_RUN = os.path.join(ROOT, "..", "runs", "shakespeare_char")
-RUN = os.environ.get("OCFORMER_RUN") or (
-    DEFAULT_RUN if os.path.isfile(os.path.join(DEFAULT_RUN, "config.json")) and not SMALL else None
-)
+RUN = os.environ.get("OCFORMER_RUN")
 
 
 def save(fig, name):

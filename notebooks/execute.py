@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import jupytext
 import nbclient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, DeadKernelError
 
 from ocformer.checkpointing import atomic_write_text
 
@@ -166,6 +166,16 @@ def _tolerance(text: str) -> float:
     return value
 
 
+def _dead_kernel(error: BaseException | None) -> str | None:
+    """nbclient's ``DeadKernelError`` among ``error`` and the exceptions it arose from
+    (a kernel killed by a signal sent to the process group, or by the OOM killer)."""
+    while error is not None:
+        if isinstance(error, DeadKernelError):
+            return str(error) or type(error).__name__
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python notebooks/execute.py")
     parser.add_argument("names", nargs="+", metavar="NAME", help="e.g. 01_tour")
@@ -220,6 +230,9 @@ def main(argv: list[str]) -> int:
         out = HERE
     if args.check:
         os.environ.pop("OCFORMER_FIGURES", None)  # the kernels inherit it: no figure written
+    elif os.environ.get("OCFORMER_FIGURES"):
+        # The kernels run in the notebooks folder: a relative folder is this command's.
+        os.environ["OCFORMER_FIGURES"] = os.path.abspath(os.environ["OCFORMER_FIGURES"])
     # tqdm.auto warns in a kernel without ipywidgets (its bars fall back to text), with
     # the path of the installation: not part of what a notebook shows.
     quiet = "ignore:IProgress not found"
@@ -238,6 +251,17 @@ def main(argv: list[str]) -> int:
             client.execute()
         except CellExecutionError as e:
             print(f"{name}: a cell failed\n{e}", file=sys.stderr)
+            return 1
+        except BaseException as e:
+            # A SIGINT or SIGTERM makes nbclient shut the kernel down, and its clean-up
+            # can then fail on its own (its kernel manager already gone): the dead
+            # kernel is what is reported, in one line.
+            died = _dead_kernel(e)
+            if died is None:
+                raise
+            kept = "" if args.check else "; nothing of it was written"
+            print(f"{name}: stopped, the kernel is gone ({died}: a SIGINT or SIGTERM to this "
+                  f"command, or the kernel was killed){kept}", file=sys.stderr)  # fmt: skip
             return 1
         text = jupytext.writes(notebook, fmt="ipynb").rstrip("\n") + "\n"
         seconds = time.perf_counter() - started
