@@ -58,7 +58,7 @@ def test_the_json_is_strict_with_a_non_finite_number_as_null():
     }  # fmt: skip
 
 
-def test_the_library_studies_refuse_what_the_command_line_refuses():
+def test_the_library_studies_refuse_what_the_command_line_refuses(capsys):
     """No scheme, a step count of 0 or one given twice: refused before any solve, in
     the library as on the command line."""
     from ocformer.analysis import convergence_study, gradient_comparison
@@ -67,11 +67,14 @@ def test_the_library_studies_refuse_what_the_command_line_refuses():
         ([], [4, 8], "No scheme given"),
         (["lie"], [0, 4], "Step counts must be >= 1"),
         (["lie"], [4, 4], "at least two distinct step counts"),
+        (["lie", "heun", "lie"], [4, 8], r"A scheme is given twice: \['lie', 'heun', 'lie'\]"),
     ]:
         with pytest.raises(ValueError, match=words):
             convergence_study(schemes, steps)
     with pytest.raises(ValueError, match="at least two distinct positive step counts"):
         gradient_comparison(steps_per_layer=(2, 2), solver="euler")
+    assert cli.main(["convergence", "--schemes", "lie,lie", "--steps", "2,4"]) == 2
+    assert "lie given twice in 'lie,lie'" in capsys.readouterr().err
     # A string is not a list of names (it was read a character at a time: scheme 'l').
     with pytest.raises(ValueError, match=r"schemes must be a list of names, got the string 'lie'"):
         convergence_study("lie", [4, 8])

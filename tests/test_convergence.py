@@ -131,3 +131,40 @@ def test_command_writes_json(tmp_path, capsys):
     assert set(result["schemes"]) == {"lie", "strang"}
     assert result["reference"]["solver"] == "tsit5"
     assert main(["convergence", "--schemes", "rk4"]) == 2
+
+
+def test_a_refused_step_count_leaves_the_scheme_s_other_counts_computed():
+    """The rules refuse an implicit solver below 4 steps per layer: that count is
+    skipped (with the reason, in the JSON and the table), the scheme's other counts are
+    measured and fitted, and the other schemes' columns are whole."""
+    from ocformer.analysis import format_table
+
+    result = convergence_study(["kvaerno3", "heun"], (2, 4, 8), reference_factor=2)
+    assert result["steps_per_layer"] == [2, 4, 8]
+    implicit, heun = result["schemes"]["kvaerno3"], result["schemes"]["heun"]
+    assert implicit["status"] == "ok" and implicit["steps_per_layer"] == [4, 8]
+    assert len(implicit["errors"]) == 2 and len(implicit["local_slopes"]) == 1
+    assert implicit["slope"] == pytest.approx(implicit["local_slopes"][0])
+    [skip] = implicit["skipped"]
+    assert skip["steps_per_layer"] == 2 and skip["status"] == "refused"
+    assert "steps_per_layer >= 4" in skip["reason"]
+    assert heun["steps_per_layer"] == [2, 4, 8] and "skipped" not in heun
+    table = [line.split() for line in format_table(result).splitlines()]
+    assert ["2", "refused", f"{heun['errors'][0]:.3e}"] in table
+    assert ["4", f"{implicit['errors'][0]:.3e}", f"{heun['errors'][1]:.3e}"] in table
+    assert ["local", "2-4", "refused", f"{heun['local_slopes'][0]:.3f}"] in table
+    assert [
+        "local",
+        "4-8",
+        f"{implicit['local_slopes'][0]:.3f}",
+        f"{heun['local_slopes'][1]:.3f}",
+    ] in table
+    assert any(
+        line.startswith("kvaerno3 refused at 2 steps/layer:")
+        for line in format_table(result).splitlines()
+    )
+    # A scheme refused at all but one count has no slope: its column is the refusal.
+    single = convergence_study(["kvaerno3"], (2, 4), reference_factor=2)["schemes"]["kvaerno3"]
+    assert single["status"] == "refused" and single["reason"].startswith(
+        "at steps per layer [2] (computed only at [4]):"
+    )

@@ -83,6 +83,9 @@ def _names(text: str) -> list[str]:
     names = [m.strip() for m in re.findall(r"(?:[^,(]|\([^)]*\))+", text) if m.strip()]
     if not names:
         raise argparse.ArgumentTypeError("no scheme given; give e.g. lie,strang")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice in {text!r}")
     return names
 
 

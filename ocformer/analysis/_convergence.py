@@ -233,6 +233,8 @@ def convergence_study(
         )
     if not schemes:
         raise ValueError("No scheme given; give e.g. ['lie', 'strang'].")
+    if len(set(schemes)) < len(schemes):  # one column per name
+        raise ValueError(f"A scheme is given twice: {list(schemes)}.")
     formulation = _study_formulation(formulation, model)
     steppers = {name: study_stepper(name) for name in schemes}  # unknown names first
     if relaxation_eps is not None:
@@ -297,6 +299,8 @@ def convergence_study(
         reference=dict(solver=REFERENCE_SOLVER, steps_per_layer=ref_steps, formulation=ref_form),
         error="max |u_h(T) - u_ref(T)|",
     )
+    if not eps_study:
+        out["steps_per_layer"] = steps
     if relaxation_eps is not None:
         out["relaxation_eps"] = float(relaxation_eps)
     if eps_study:
@@ -340,28 +344,43 @@ def _scheme_study(
     relaxation_eps: float | None,
 ) -> dict:  # fmt: skip
     """One scheme's column: its errors against ``u_ref`` over ``steps`` per layer and
-    the fitted order; ``{"status": "refused" | "failed", "reason": ...}`` where the rules
-    refuse it or a solve fails (the study goes on with the other schemes)."""
+    the fitted order. A step count the rules refuse or whose solve fails is left out
+    and listed under ``skipped`` (with its status and reason), the slopes fitted on the
+    others; with fewer than two left the column is ``{"status": "refused" | "failed",
+    "reason": ...}`` (the study goes on with the other schemes)."""
     splitting = isinstance(stepper, AbstractSplittingSolver)
     sub_solver = stepper.sub_solver if splitting else "euler"
-    errors, dts = [], []
+    computed, errors, dts, skipped = [], [], [], []
     expected = None
-    try:
-        for m in steps:
+    for m in steps:
+        try:
             discrete = reformulate(
                 model,
                 discretisation=Discretisation(stepper, steps_per_layer=m, rtol=1e-10, atol=1e-12),
             )
             expected = discrete.order()
             errors.append(_error(discrete(u0), u_ref))
-            dts.append(length / m)
-    except IncompatibleError as e:
-        return dict(status="refused", reason=str(e))
-    except Exception as e:  # a failing cell is recorded; the study goes on
-        return dict(status="failed", reason=f"{type(e).__name__}: {e}")
+        except IncompatibleError as e:
+            skipped.append(dict(steps_per_layer=m, status="refused", reason=str(e)))
+            continue
+        except Exception as e:  # a failing cell is recorded; the study goes on
+            skipped.append(
+                dict(steps_per_layer=m, status="failed", reason=f"{type(e).__name__}: {e}")
+            )
+            continue
+        computed.append(m)
+        dts.append(length / m)
+    if len(computed) < 2:  # no slope: the scheme's column is its first refusal
+        first = skipped[0]
+        counts = [c["steps_per_layer"] for c in skipped]
+        at = "" if len(skipped) == len(steps) else f" (computed only at {computed})"
+        return dict(
+            status=first["status"],
+            reason=f"at steps per layer {counts}{at}: {first['reason']}",
+        )
     entry: dict[str, Any] = dict(
         status="ok",
-        steps_per_layer=list(steps),
+        steps_per_layer=computed,
         dt=dts,
         errors=errors,
         slope=fitted_slope(dts, errors),
@@ -369,6 +388,8 @@ def _scheme_study(
         expected_order=expected,
         sub_solver=sub_solver,
     )
+    if skipped:
+        entry["skipped"] = skipped
     if relaxation_eps is not None:
         entry["dt_over_eps"] = [dt / relaxation_eps for dt in dts]
     if sub_solver != "euler":
@@ -402,28 +423,48 @@ def format_table(result: dict) -> str:
     ok = [n for n in names if cells[n]["status"] == "ok"]
     lines.append(f"{'steps/layer':>12}" + "".join(f"{n:>14}" for n in names))
 
-    def cell(n, key, fmt, i=None):
-        if cells[n]["status"] != "ok":
-            return f"{cells[n]['status']:>14}"
-        value = cells[n][key] if i is None else cells[n][key][i]
-        return f"{format(value, fmt):>14}"
+    def cell(n, key, fmt, m=None):
+        """The value of scheme ``n`` (at step count ``m``, or over the pair ``m``), or
+        the status of what stands in its place."""
+        c = cells[n]
+        if c["status"] != "ok":
+            return f"{c['status']:>14}"
+        if m is None:
+            return f"{format(c[key], fmt):>14}"
+        computed = c["steps_per_layer"]
+        pairs = list(zip(computed, computed[1:]))
+        index = pairs.index(m) if isinstance(m, tuple) and m in pairs else None
+        if isinstance(m, int) and m in computed:
+            index = computed.index(m)
+        if index is not None:
+            return f"{format(c[key][index], fmt):>14}"
+        wanting = {s["steps_per_layer"]: s["status"] for s in c.get("skipped", [])}
+        missing = [wanting[k] for k in (m if isinstance(m, tuple) else (m,)) if k in wanting]
+        return f"{(missing or ['-'])[0]:>14}"
 
-    steps = cells[ok[0]]["steps_per_layer"] if ok else []
-    for i, m in enumerate(steps):
-        lines.append(f"{m:>12d}" + "".join(cell(n, "errors", ".3e", i) for n in names))
-    for i, (a, b) in enumerate(zip(steps, steps[1:])):
+    steps = result.get("steps_per_layer") or (cells[ok[0]]["steps_per_layer"] if ok else [])
+    for m in steps:
+        lines.append(f"{m:>12d}" + "".join(cell(n, "errors", ".3e", m) for n in names))
+    for a, b in zip(steps, steps[1:]):
         label = f"local {a}-{b}"
-        lines.append(f"{label:>12}" + "".join(cell(n, "local_slopes", ".3f", i) for n in names))
+        lines.append(
+            f"{label:>12}" + "".join(cell(n, "local_slopes", ".3f", (a, b)) for n in names)
+        )
     lines.append(f"{'slope':>12}" + "".join(cell(n, "slope", ".3f") for n in names))
     lines.append(f"{'order()':>12}" + "".join(cell(n, "expected_order", "") for n in names))
     if "relaxation_eps" in result and steps:
-        dt_over_eps = ", ".join(f"{x:g}" for x in cells[ok[0]]["dt_over_eps"])
+        first = cells[ok[0]]  # dt / eps = (layer length / eps) / m, for every m
+        per_layer = first["dt_over_eps"][0] * first["steps_per_layer"][0]
+        dt_over_eps = ", ".join(f"{per_layer / m:g}" for m in steps)
         lines.append(f"dt/eps at these steps/layer: {dt_over_eps}")
     for n in names:
         if "note" in cells[n]:
             lines.append(f"note: {cells[n]['note']}")
         if cells[n]["status"] != "ok":
             lines.append(f"{n} {cells[n]['status']}: {cells[n]['reason']}")
+        for skip in cells[n].get("skipped", []):
+            m = skip["steps_per_layer"]
+            lines.append(f"{n} {skip['status']} at {m} steps/layer: {skip['reason']}")
     return "\n".join(lines)
 
 
