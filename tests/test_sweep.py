@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 
@@ -1337,6 +1338,42 @@ def test_progress_line_counts_and_eta():
     progress.finish("interrupted", 4.0)
     assert progress.line().startswith("sweep: 2/5 done, 0 running, 1 failed, 1 interrupted, ")
     assert progress.times == [10.0]
+    # A point that failed at once says nothing of the others' time (ETA 0s was shown
+    # while a point still trained); a point running past the mean has an unknown end.
+    progress = Progress(total=2, parallel=2, skipped=0, stream=stream)
+    progress.start()
+    progress.finish("failed", 0.5)
+    progress.starts = {threading.get_ident(): time.perf_counter() - 30.0}
+    progress.running = 1
+    assert progress.times == [] and "ETA ?" in progress.line()
+    progress.times = [20.0]  # one done in 20 s: the running one is overdue
+    assert "ETA ?" in progress.line()
+    progress.running, progress.starts, progress.done = 0, {}, 1
+    assert "ETA 0s" in progress.line()
+
+
+def test_progress_shows_each_running_point_s_step_and_times_it_by_its_steps(tmp_path):
+    """A running point's training step (its metrics.jsonl against its train.steps) is
+    on the line, and its time left is its elapsed time per step done in this attempt
+    (a resumed point's earlier steps are not this attempt's)."""
+    import threading
+    import time
+
+    from ocformer.sweeping._run import Progress, training_step
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    assert training_step(str(workdir)) is None  # nothing written yet
+    (workdir / "config.json").write_text(json.dumps({"train": {"steps": 100}}))
+    (workdir / "metrics.jsonl").write_text('{"step": 20, "loss": 1.0}\n')
+    progress = Progress(total=1, parallel=1, skipped=0, stream=io.StringIO())
+    progress.start(str(workdir))  # resumed at step 20
+    with (workdir / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 60, "loss": 0.5}\n{"step": 7')  # a line being written
+    assert training_step(str(workdir)) == (60, 100)
+    progress.starts[threading.get_ident()] = time.perf_counter() - 40.0
+    # 40 steps in 40 s, 40 left: 40 s (no point done yet, so no mean to use).
+    assert re.search(r"1 running, 0 failed \(steps 60/100\), ETA 4[01]s", progress.line())
 
 
 # -- evaluation ----------------------------------------------------------------------

@@ -375,56 +375,94 @@ def _fmt_time(seconds: float) -> str:
     return f"{seconds}s"
 
 
+def training_step(workdir: str) -> tuple[int, int] | None:
+    """(last logged step, ``train.steps``) of the training run in ``workdir`` while it
+    runs: the last whole line of its ``metrics.jsonl`` and its ``config.json``; None
+    before it logged a step (or when either cannot be read)."""
+    try:
+        with open(os.path.join(workdir, "config.json")) as f:
+            total = int(json.load(f)["train"]["steps"])
+        with open(os.path.join(workdir, "metrics.jsonl"), "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+            lines = f.read().split(b"\n")[:-1]  # the last piece may be half-written
+        return int(json.loads(lines[-1])["step"]), total
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 class Progress:
-    """The progress line: points done / running / failed (and interrupted, once a
-    stopped sweep recorded some), and an ETA from the mean time of the points finished
-    so far."""
+    """The progress line: points done / running (with each running point's training
+    step, once it logged one) / failed (and interrupted, once a stopped sweep recorded
+    some), and an ETA. A running point that logged a step needs its elapsed time times
+    its steps left over its steps done (a resumed point: over the steps of this
+    attempt); one that did not, the mean time of the points done so far (a failed or
+    interrupted point's time is no point's), as do the points not started. ``?`` while
+    neither is known, or while a point that logged no step has outlived that mean."""
 
     def __init__(self, total: int, parallel: int, skipped: int, stream):
         self.total, self.parallel, self.stream = total, parallel, stream
         self.done, self.failed, self.running, self.skipped = skipped, 0, 0, skipped
         self.interrupted = 0
         self.times: list[float] = []
-        self.starts: dict[int, float] = {}  # running points by thread: start time
+        # Running points by thread: start time, and their training work directory with
+        # the step it had logged when this attempt started (a resumed point's).
+        self.starts: dict[int, float] = {}
+        self.workdirs: dict[int, tuple[str, int]] = {}
         self.started = time.perf_counter()
         self.lock = threading.Lock()
         self.last = ""
         self.last_time = 0.0
 
-    def line(self) -> str:
-        left = self.total - self.done - self.failed - self.interrupted
-        eta = "?"
-        if self.times:
-            # Work left: the points not started, plus what the running ones still need
-            # at the mean time per point; shared by the workers.
-            per_point = sum(self.times) / len(self.times)
-            waiting = max(left - self.running, 0)
-            now = time.perf_counter()
-            running_left = sum(max(per_point - (now - t), 0.0) for t in self.starts.values())
-            eta = _fmt_time((waiting * per_point + running_left) / self.parallel)
-        elif left == 0:
-            eta = "0s"
+    def _counts(self) -> str:
         return (
             f"sweep: {self.done}/{self.total} done, {self.running} running, "
-            f"{self.failed} failed, "
-            + (f"{self.interrupted} interrupted, " if self.interrupted else "")
-            + f"ETA {eta} (elapsed "
-            f"{_fmt_time(time.perf_counter() - self.started)})"
+            f"{self.failed} failed"
+            + (f", {self.interrupted} interrupted" if self.interrupted else "")
         )
+
+    def line(self) -> str:
+        left = self.total - self.done - self.failed - self.interrupted
+        now = time.perf_counter()
+        per_point = sum(self.times) / len(self.times) if self.times else None
+        steps, running_left, known = [], 0.0, True
+        for thread, start in self.starts.items():
+            workdir, first = self.workdirs.get(thread, (None, 0))
+            at = training_step(workdir) if workdir else None
+            if at is not None:
+                steps.append(f"{at[0]}/{at[1]}")
+            if at is not None and at[0] > first:
+                running_left += (now - start) * (at[1] - at[0]) / (at[0] - first)
+            elif per_point is not None and now - start < per_point:
+                running_left += per_point - (now - start)
+            else:
+                known = False
+        waiting = max(left - self.running, 0)
+        eta = "?"
+        if left == 0:
+            eta = "0s"
+        elif known and (per_point is not None or not waiting):
+            eta = _fmt_time((waiting * (per_point or 0.0) + running_left) / self.parallel)
+        detail = f" (steps {', '.join(steps)})" if steps else ""
+        elapsed = _fmt_time(now - self.started)
+        return f"{self._counts()}{detail}, ETA {eta} (elapsed {elapsed})"
 
     def show(self, force: bool = False, every_s: float = 60.0) -> None:
         """Print the line when a count changed, and at least every ``every_s``."""
         with self.lock:
-            text = self.line()
-            changed = text.split(", ETA")[0] != self.last.split(", ETA")[0]
-            if force or changed or time.monotonic() - self.last_time > every_s:
-                print(text, file=self.stream, flush=True)
-                self.last, self.last_time = text, time.monotonic()
+            counts = self._counts()
+            if force or counts != self.last or time.monotonic() - self.last_time > every_s:
+                print(self.line(), file=self.stream, flush=True)
+                self.last, self.last_time = counts, time.monotonic()
 
-    def start(self) -> None:
+    def start(self, workdir: str | None = None) -> None:
+        """A point is starting (before its process), to train in ``workdir`` (read for
+        its step)."""
+        before = training_step(workdir) if workdir is not None else None
         with self.lock:
             self.running += 1
             self.starts[threading.get_ident()] = time.perf_counter()
+            if workdir is not None:
+                self.workdirs[threading.get_ident()] = (workdir, before[0] if before else 0)
         self.show()
 
     def finish(self, status: str, seconds: float) -> None:
@@ -432,13 +470,14 @@ class Progress:
         with self.lock:
             self.running -= 1
             self.starts.pop(threading.get_ident(), None)
+            self.workdirs.pop(threading.get_ident(), None)
             if status == "done":
                 self.done += 1
             elif status == "interrupted":
                 self.interrupted += 1  # it runs again when the sweep is resumed
             else:
                 self.failed += 1
-            if status != "interrupted":  # a stopped point's time says nothing of a point's
+            if status == "done":  # a stopped or failed point's time is no point's
                 self.times.append(seconds)
         self.show()
 
@@ -513,7 +552,7 @@ def run_local(
     def work(point: dict) -> dict:
         if _stopping["signal"] is not None:
             return {"name": point["name"], "status": "not started"}
-        progress.start()
+        progress.start(run_dir(sweep_dir, point["name"]))
         t = time.perf_counter()
         status = run_point(sweep_dir, point)
         progress.finish(status.get("status", "failed"), time.perf_counter() - t)
