@@ -297,6 +297,21 @@ def test_end_to_end_refuses_a_run_without_training_steps(tmp_path, capsys):
     assert "logged no training steps" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_the_implicit_benchmark_times_both_solves_of_one_batch():
+    """``benchmarks.implicit`` at batch 1: every time it reports, and the two
+    constant-grid solves agree (float32, Newton at the model's tolerances)."""
+    from benchmarks.implicit import run
+
+    [row] = run((1,), repeats=1)["rows"]
+    assert row["batch"] == 1 and row["state_size"] == 16 * 16
+    for path in ("per_example", "whole"):
+        assert set(row[path]) == {"compile_s", "forward_s", "gradient_compile_s", "gradient_s"}
+        assert all(t > 0 for t in row[path].values())
+    assert set(row["pid"]) == {"compile_s", "forward_s"}
+    assert row["max_abs_diff"] < 1e-5
+
+
 def test_every_benchmark_refuses_bad_arguments_before_it_measures(tmp_path):
     """A result file that could not be written, a count below 1, an unknown config
     field: each benchmark's command line refuses them at once with argparse's exit
@@ -310,6 +325,8 @@ def test_every_benchmark_refuses_bad_arguments_before_it_measures(tmp_path):
         ("gpu", ["--dry-run", "--batch", "0"], "--batch: 0 is not a positive integer"),
         ("depth_parallel", ["--quick", "--json", str(tmp_path)], "is a directory"),
         ("depth_parallel", ["--tol", "nan"], "--tol: nan is not a finite positive number"),
+        ("implicit", ["--json", missing], "--json: the directory"),
+        ("implicit", ["--repeats", "0"], "--repeats: 0 is not a positive integer"),
         ("scaling", ["--steps", "0"], "--steps: 0 is not a positive integer"),
         ("scaling", ["--set", "train.stepz=3"], "unknown field train.stepz"),
         ("profile_step", ["--set", "train.stepz=3"], "unknown field train.stepz"),

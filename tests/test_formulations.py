@@ -322,8 +322,10 @@ def test_a_failed_implicit_stage_on_a_constant_grid_is_raised_not_returned(pre):
     u0 = study_input(pre)
     stiff = jax.tree.map(lambda x: 5.0 * x if eqx.is_inexact_array(x) else x, pre)
     implicit = rediscretise(stiff, stepper=diffrax.Kvaerno3(), steps_per_layer=4)
-    with pytest.raises(eqx.EquinoxRuntimeError, match="nonlinear solver") as raised:
+    with pytest.raises(eqx.EquinoxRuntimeError, match="nonlinear solver"):
         implicit(u0)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="nonlinear solver") as raised:
+        implicit(jnp.stack([u0, u0]))  # a batch, solved example by example
     message = str(SolverFailure.from_error(3, raised.value))
     assert "found no root" in message and "discretisation.steps_per_layer" in message
     assert "max_steps" not in message
@@ -353,13 +355,29 @@ def _implicit_and_whole(model, batch=2):
     return model, u0, key_mask, whole
 
 
-def test_an_implicit_solve_on_a_constant_grid_is_the_batched_one_example_by_example(pre):
+def test_an_implicit_solve_on_a_constant_grid_is_the_batched_one_example_by_example(
+    pre, monkeypatch
+):
     """An implicit solver on a constant grid solves a batch example by example (its
     Newton Jacobians block by block): the states at every step, the times and the
     statistics are those of diffrax's solve of the whole batch."""
     model, u0, key_mask, whole = _implicit_and_whole(pre)
     saveat = diffrax.SaveAt(t0=True, steps=True)
+    import ocformer.models._transformer as transformer_module
+
+    taken = []
+    per_example = transformer_module._per_example
+    monkeypatch.setattr(
+        transformer_module, "_per_example", lambda *a: taken.append(1) or per_example(*a)
+    )
     sol, ref = model.solve(u0, key_mask, saveat), whole(model, saveat)
+    assert taken == [1]  # the per-example solve, not diffrax's of the whole batch
+    # Saves the batch's solve alone can make (a function of the state sees one example
+    # in a per-example solve) and an unbatched input: the batched solve (adaptive steps
+    # too: the slow test below).
+    model.solve(u0, key_mask, diffrax.SaveAt(t1=True, fn=lambda t, y, args: jnp.mean(y)))
+    model.solve(u0[0], key_mask[0])
+    assert taken == [1]
     steps = 4 * model.num_layers
     assert sol.ys.shape == ref.ys.shape == (steps + 1, 2, 6, model.width)
     np.testing.assert_allclose(sol.ys, ref.ys, rtol=0, atol=1e-12)
@@ -370,7 +388,7 @@ def test_an_implicit_solve_on_a_constant_grid_is_the_batched_one_example_by_exam
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["pre", "post"])
 def test_the_gradient_of_an_implicit_solve_example_by_example_is_the_batched_one(
-    model_name, request
+    model_name, request, monkeypatch
 ):
     """The same gradients as differentiating diffrax's solve of the whole batch (its
     stage solves' implicit-function gradients included), through the projected
@@ -386,3 +404,12 @@ def test_the_gradient_of_an_implicit_solve_example_by_example_is_the_batched_one
     grad_ref = eqx.filter_grad(loss)(model, lambda m: m.final_projection(whole(m).ys[-1]))
     for g, r in zip(jax.tree.leaves(grad.control), jax.tree.leaves(grad_ref.control), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-11)
+    # Adaptive steps keep the batch one state (its step sizes are the batch's).
+    import ocformer.models._transformer as transformer_module
+
+    def refuse(*args):
+        raise AssertionError("an adaptive solve went example by example")
+
+    monkeypatch.setattr(transformer_module, "_per_example", refuse)
+    adaptive = rediscretise(model, stepsize="pid")
+    np.testing.assert_array_equal(adaptive.solve(u0, key_mask).ys, whole(adaptive, None).ys)

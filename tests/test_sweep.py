@@ -1366,13 +1366,14 @@ def test_progress_shows_each_running_point_s_step_and_times_it_by_its_steps(tmp_
     assert training_step(str(workdir)) is None  # nothing written yet
     (workdir / "config.json").write_text(json.dumps({"train": {"steps": 100}}))
     (workdir / "metrics.jsonl").write_text('{"step": 20, "loss": 1.0}\n')
-    progress = Progress(total=1, parallel=1, skipped=0, stream=io.StringIO())
-    progress.start(str(workdir))  # resumed at step 20
+    progress = Progress(total=4, parallel=4, skipped=3, stream=io.StringIO())
+    progress.start(str(workdir), resumes_at=20)  # its last checkpoint: step 20
     with (workdir / "metrics.jsonl").open("a") as f:
         f.write('{"step": 60, "loss": 0.5}\n{"step": 7')  # a line being written
     assert training_step(str(workdir)) == (60, 100)
     progress.starts[threading.get_ident()] = time.perf_counter() - 40.0
-    # 40 steps in 40 s, 40 left: 40 s (no point done yet, so no mean to use).
+    # 40 steps in 40 s, 40 left: 40 s, not shared by the three idle workers (no point
+    # done in this sweep, so no mean to use).
     assert re.search(r"1 running, 0 failed \(steps 60/100\), ETA 4[01]s", progress.line())
 
 

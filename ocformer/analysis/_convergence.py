@@ -222,10 +222,12 @@ def convergence_study(
     Returns:
         A JSON-ready dict: the set-up, and per scheme the step counts, step sizes,
         errors, fitted slope, local slopes, the scheme's ``order()``, and the sub-solver
-        used (with a note when it was chosen for the scheme); for ``"relaxed"``, per
-        epsilon. A scheme the rules refuse for this formulation, or whose solve fails,
-        is recorded as ``{"status": "refused" | "failed", "reason": ...}`` and the
-        other schemes are still computed.
+        used (with a note when it was chosen for the scheme), and the study's
+        ``steps_per_layer``; for ``"relaxed"``, per epsilon. A step count the rules
+        refuse for a scheme, or whose solve fails, is left out of its column and listed
+        under its ``skipped`` (step count, status, reason); a scheme left with fewer
+        than two counts is recorded as ``{"status": "refused" | "failed", "reason":
+        ...}``. The other schemes are computed either way.
     """
     if isinstance(schemes, str):  # iterated, it would be one scheme per character
         raise ValueError(
@@ -445,7 +447,11 @@ def format_table(result: dict) -> str:
     steps = result.get("steps_per_layer") or (cells[ok[0]]["steps_per_layer"] if ok else [])
     for m in steps:
         lines.append(f"{m:>12d}" + "".join(cell(n, "errors", ".3e", m) for n in names))
-    for a, b in zip(steps, steps[1:]):
+    pairs = list(zip(steps, steps[1:]))
+    for n in ok:  # a scheme's own pair across a count it skipped (2-8 without 4)
+        computed = cells[n]["steps_per_layer"]
+        pairs += [p for p in zip(computed, computed[1:]) if p not in pairs]
+    for a, b in sorted(pairs):
         label = f"local {a}-{b}"
         lines.append(
             f"{label:>12}" + "".join(cell(n, "local_slopes", ".3f", (a, b)) for n in names)

@@ -388,13 +388,28 @@ def _check_ternary(c: Config) -> None:
 
 
 def _check_precision(c: Config) -> None:
-    m = c.model
+    m, d = c.model, c.discretisation
     if m.precision == "float64" and m.dtype != "float64":
         raise ConfigError(
             "model.precision",
             f"float64 compute on {m.dtype} parameters would round every gradient back to "
             f"{m.dtype}; set model.dtype=float64 too, or model.precision={m.dtype}",
         )
+    if m.precision == "bfloat16":
+        for field, name in (("stepper", d.stepper), ("coarse_stepper", d.coarse_stepper)):
+            if field == "coarse_stepper" and d.depth_parallel is None:
+                continue
+            kind = describe_stepper(stepper_object(name))["stepper_kind"]
+            if kind in ("implicit", "imex"):
+                raise ConfigError(
+                    "model.precision",
+                    f"model.precision=bfloat16 with the {kind} solver {name} "
+                    f"(discretisation.{field}): its Newton iterations would compute the "
+                    "stage equations' residuals in bfloat16 (resolution 7.8e-3), which "
+                    "cannot meet their tolerance, and every solve would fail. Use "
+                    "model.precision=float32 (or leave it unset) with implicit solvers, or "
+                    "an explicit solver or splitting scheme in bfloat16",
+                )
 
 
 def _check_weight_decay(c: Config) -> None:

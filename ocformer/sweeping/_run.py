@@ -394,8 +394,8 @@ class Progress:
     """The progress line: points done / running (with each running point's training
     step, once it logged one) / failed (and interrupted, once a stopped sweep recorded
     some), and an ETA. A running point that logged a step needs its elapsed time times
-    its steps left over its steps done (a resumed point: over the steps of this
-    attempt); one that did not, the mean time of the points done so far (a failed or
+    its steps left over the steps this attempt made (from its last checkpoint's); one
+    that did not, the mean time of the points done so far (a failed or
     interrupted point's time is no point's), as do the points not started. ``?`` while
     neither is known, or while a point that logged no step has outlived that mean."""
 
@@ -424,16 +424,16 @@ class Progress:
         left = self.total - self.done - self.failed - self.interrupted
         now = time.perf_counter()
         per_point = sum(self.times) / len(self.times) if self.times else None
-        steps, running_left, known = [], 0.0, True
+        steps, running_left, known = [], [], True
         for thread, start in self.starts.items():
             workdir, first = self.workdirs.get(thread, (None, 0))
             at = training_step(workdir) if workdir else None
             if at is not None:
                 steps.append(f"{at[0]}/{at[1]}")
             if at is not None and at[0] > first:
-                running_left += (now - start) * (at[1] - at[0]) / (at[0] - first)
+                running_left.append((now - start) * (at[1] - at[0]) / (at[0] - first))
             elif per_point is not None and now - start < per_point:
-                running_left += per_point - (now - start)
+                running_left.append(per_point - (now - start))
             else:
                 known = False
         waiting = max(left - self.running, 0)
@@ -441,7 +441,10 @@ class Progress:
         if left == 0:
             eta = "0s"
         elif known and (per_point is not None or not waiting):
-            eta = _fmt_time((waiting * (per_point or 0.0) + running_left) / self.parallel)
+            # The work shared by the workers, but never less than the longest running
+            # point still needs (one point's time is not shared).
+            shared = (waiting * (per_point or 0.0) + sum(running_left)) / self.parallel
+            eta = _fmt_time(max(shared, *running_left, 0.0))
         detail = f" (steps {', '.join(steps)})" if steps else ""
         elapsed = _fmt_time(now - self.started)
         return f"{self._counts()}{detail}, ETA {eta} (elapsed {elapsed})"
@@ -454,15 +457,14 @@ class Progress:
                 print(self.line(), file=self.stream, flush=True)
                 self.last, self.last_time = counts, time.monotonic()
 
-    def start(self, workdir: str | None = None) -> None:
-        """A point is starting (before its process), to train in ``workdir`` (read for
-        its step)."""
-        before = training_step(workdir) if workdir is not None else None
+    def start(self, workdir: str | None = None, resumes_at: int = 0) -> None:
+        """A point is starting, to train in ``workdir`` (read for its step) from step
+        ``resumes_at`` (its last checkpoint's)."""
         with self.lock:
             self.running += 1
             self.starts[threading.get_ident()] = time.perf_counter()
             if workdir is not None:
-                self.workdirs[threading.get_ident()] = (workdir, before[0] if before else 0)
+                self.workdirs[threading.get_ident()] = (workdir, resumes_at)
         self.show()
 
     def finish(self, status: str, seconds: float) -> None:
@@ -552,7 +554,8 @@ def run_local(
     def work(point: dict) -> dict:
         if _stopping["signal"] is not None:
             return {"name": point["name"], "status": "not started"}
-        progress.start(run_dir(sweep_dir, point["name"]))
+        name = point["name"]
+        progress.start(run_dir(sweep_dir, name), checkpoint_step(sweep_dir, name) or 0)
         t = time.perf_counter()
         status = run_point(sweep_dir, point)
         progress.finish(status.get("status", "failed"), time.perf_counter() - t)

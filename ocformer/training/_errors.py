@@ -57,10 +57,13 @@ class SolverFailure(TrainingError):
             # grid its failure ends the solve (``ocformer.integration.solve``).
             advice = (
                 "An implicit solver's stage equation z = y + gamma * dt * f(z) found no "
-                "root: the field's Lipschitz constant times dt is too large for it. Give "
-                "it more steps (discretisation.steps_per_layer), use "
-                "discretisation.stepsize=pid (a failed stage solve is then a rejected, "
-                "smaller step), or an explicit solver."
+                "root within its tolerances: either the field's Lipschitz constant times dt "
+                "is too large for it (give it more steps, discretisation.steps_per_layer; "
+                "use discretisation.stepsize=pid, with discretisation.jump_ts=true for "
+                "piecewise-constant controls, where a failed stage solve is a rejected, "
+                "smaller step; or an explicit solver where the formulation takes one), or "
+                "its Newton tolerances (discretisation.rtol/atol) cannot be met in the "
+                "compute dtype (a stiff relaxation in float32: use model.dtype=float64)."
             )
         else:
             advice = (
@@ -103,8 +106,10 @@ class NonFiniteEvaluation(TrainingError):
             why = (
                 "its solve failed (its step counts are the failure's fill values): with "
                 "EQX_ON_ERROR=nan, as sweeps run, a failed solve returns NaN; evaluate "
-                "without it for the solver's message, or loosen discretisation.rtol/atol "
-                "or use discretisation.stepsize=constant"
+                "without it for the solver's message and what to change (an adaptive "
+                "solve: loosen discretisation.rtol/atol or use "
+                "discretisation.stepsize=constant; an implicit solver's stage equations: "
+                "more discretisation.steps_per_layer)"
             )
         else:
             why = (
