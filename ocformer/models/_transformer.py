@@ -580,11 +580,10 @@ def _per_example(one, u0, key_mask) -> diffrax.Solution:
     width 16) a Kvaerno 3 solve at 4 steps per layer is 16 times faster, 24 times with
     its gradient (``benchmarks/implicit.json``). The grid is the same for every
     example, so the solution is the batched one's: the states up to the Newton
-    tolerances (each example stops iterating when its own
-    update is small), the times, statistics and result those of any one example (a
-    failed stage solve raises, ``ocformer.integration.solve``). Adaptive steps stay
-    batched: their step sizes are chosen for the whole batch, as for the explicit
-    solvers.
+    tolerances (each example stops iterating when its own update is small), the times,
+    statistics and result those of any one example (a failed stage solve raises,
+    ``ocformer.integration.solve``). Adaptive steps stay batched: their step sizes are
+    chosen for the whole batch, as for the explicit solvers.
     """
     sol = eqx.filter_vmap(one, in_axes=(0, None if key_mask is None else 0))(u0, key_mask)
     assert sol.ys is not None  # every solve here saves states
