@@ -396,10 +396,11 @@ def _check_precision(c: Config) -> None:
             f"{m.dtype}; set model.dtype=float64 too, or model.precision={m.dtype}",
         )
     if m.precision == "bfloat16":
-        for field, name in (("stepper", d.stepper), ("coarse_stepper", d.coarse_stepper)):
-            if field == "coarse_stepper" and d.depth_parallel is None:
-                continue
-            kind = describe_stepper(stepper_object(name))["stepper_kind"]
+        ch = choices(c)
+        steppers = [("stepper", d.stepper, ch.stepper_kind)]
+        if d.depth_parallel is not None:
+            steppers.append(("coarse_stepper", d.coarse_stepper, ch.coarse_stepper_kind))
+        for field, name, kind in steppers:
             if kind in ("implicit", "imex"):
                 raise ConfigError(
                     "model.precision",
