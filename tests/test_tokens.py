@@ -194,6 +194,31 @@ def test_an_interrupted_preparation_leaves_nothing(tmp_path, corpus, capsys, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ds", running.name])
 
 
+def test_an_out_that_cannot_be_written_is_refused_before_any_work(
+    tmp_path, corpus, capsys, monkeypatch
+):
+    """A directory where --out's temporary sibling cannot be made (read-only, or an
+    immutable one, which even root cannot write) is refused at once with exit 2 and
+    one line, before the tokenizer is trained; it was a traceback after the BPE."""
+    import errno
+
+    from ocformer.tasks import _dataset
+
+    def no_directory(**kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted", kwargs["dir"])
+
+    trained = []
+    monkeypatch.setattr(_dataset.tempfile, "mkdtemp", no_directory)
+    monkeypatch.setattr(_dataset, "bpe_tokenizer", lambda *a: trained.append(1))
+    root, _, _ = corpus
+    out = tmp_path / "ro" / "ds"
+    argv = ["text", "--input", str(root / "a.txt"), "--tokenizer", "bpe:300", "--out", str(out)]
+    assert prepare_main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: cannot write in {out.parent} (Operation not permitted)" in err
+    assert "Traceback" not in err and not trained and not out.exists()
+
+
 @pytest.mark.parametrize("tokenizer", ["char", "bpe:280"])
 def test_small_chunks_give_the_same_files(tmp_path, tokenizer):
     """Streaming: chunks of 64 bytes (a corpus of ~50 KB, ~800 chunks) give byte for
@@ -212,15 +237,16 @@ def test_small_chunks_give_the_same_files(tmp_path, tokenizer):
     assert ids.tolist() == _reference_ids(tmp_path / "many", text)
 
 
-@pytest.mark.parametrize("prefix_space", [True, False])
+@pytest.mark.parametrize("prefix_space, title", [(True, False), (False, False), (True, True)])
 def test_a_tokenizer_that_adds_a_prefix_space_encodes_each_file_whole(
-    tmp_path, capsys, prefix_space
+    tmp_path, capsys, prefix_space, title
 ):
     """A byte-level BPE whose pre-tokenizer adds a space before a text that does not
     start with one would give a stray space token at each chunk that starts at a
     newline: the preparation finds that its ids depend on the cuts, says so, and
     encodes each file whole; the ids are the tokenizer's own of each file. Without the
-    prefix space, no word, and the same ids by chunks."""
+    prefix space, no word, and the same ids by chunks. A first file too short to be cut
+    (a title) does not hide it: the tokenizer is tried on the first file that is cut."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     # Prose lines over more than the 64 KiB the preparation tries the tokenizer on,
@@ -252,12 +278,66 @@ def test_a_tokenizer_that_adds_a_prefix_space_encodes_each_file_whole(
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     files = [str(root / "a.txt"), str(root / "b.txt")]
+    train = _reference_ids(tmp_path / "tok", a)
+    if title:  # 5 bytes: validation is still exactly b.txt
+        files.insert(0, str(_write(root / "title.txt", "Title")))
+        train = _reference_ids(tmp_path / "tok", "Title") + train
     capsys.readouterr()
     prepare_text(files, str(tmp_path / "tok"), tmp_path / "ds", chunk_bytes=4096, progress=False)
     said = "so each file is encoded whole" in capsys.readouterr().err
     assert said == prefix_space
-    assert _ids(tmp_path / "ds", "train.bin").tolist() == _reference_ids(tmp_path / "ds", a)
+    assert _ids(tmp_path / "ds", "train.bin").tolist() == train
     assert _ids(tmp_path / "ds", "val.bin").tolist() == _reference_ids(tmp_path / "ds", b)
+
+
+def test_a_tokenizer_saved_with_truncation_or_padding_encodes_the_whole_corpus(tmp_path, capsys):
+    """A tokenizer.json saved with truncation (128 ids) or padding (to 8192) kept 128
+    ids of each split, or filled validation with its pad id: both are switched off,
+    stderr says so, and the stored ids, and a sampling prompt's, are the tokenizer's
+    own without them."""
+    from tokenizers import decoders, trainers
+
+    text = _text(4000, 11, ["cat", "sat", "on", "the", "mat\n", "dog,"])
+    corpus = _write(tmp_path / "c.txt", text)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<pad>"], show_progress=False,
+    ))  # fmt: skip
+    tok.save(str(tmp_path / "plain.json"))
+    plain = Tokenizer.from_file(str(tmp_path / "plain.json"))
+    prepare_text([str(corpus)], str(tmp_path / "plain.json"), tmp_path / "ref", progress=False)
+    assert capsys.readouterr().err == ""
+    ref = {n: _ids(tmp_path / "ref", n) for n in ("train.bin", "val.bin")}
+    assert min(len(v) for v in ref.values()) > 300
+    assert ref["train.bin"].tolist() + ref["val.bin"].tolist() == (
+        plain.encode(text, add_special_tokens=False).ids
+    )
+    variants = {
+        "trunc": (lambda t: t.enable_truncation(max_length=128), "truncation to 128 ids is"),
+        "pad": (
+            lambda t: t.enable_padding(length=8192, pad_id=0, pad_token="<pad>"),
+            "padding to 8192 ids is",
+        ),
+        "both": (
+            lambda t: (t.enable_truncation(max_length=64), t.enable_padding()),
+            "truncation to 64 ids and padding are",
+        ),
+    }
+    prompt = " ".join(["the cat sat on the mat"] * 40)
+    for name, (switch_on, said) in variants.items():
+        saved = Tokenizer.from_file(str(tmp_path / "plain.json"))
+        switch_on(saved)
+        saved.save(str(tmp_path / f"{name}.json"))
+        out = tmp_path / name
+        prepare_text([str(corpus)], str(tmp_path / f"{name}.json"), out, progress=False)
+        assert f"its {said} switched off: a corpus is encoded whole" in capsys.readouterr().err
+        for file, ids in ref.items():
+            assert np.array_equal(_ids(out, file), ids), (name, file)
+        task = Tokens(out, seq_len=8)
+        assert task.encode(prompt).tolist() == plain.encode(prompt).ids
 
 
 def test_text_without_spaces_splits_at_the_characters_of_the_split_byte(tmp_path):
@@ -279,10 +359,11 @@ def test_text_without_spaces_splits_at_the_characters_of_the_split_byte(tmp_path
 
 def _split_at(data: bytes) -> int:
     """The documented split of a one-file corpus, found independently: the first space
-    or newline after a printable ASCII character at or after byte ceil(0.9 * size), else
-    the first character boundary there."""
+    or newline after a printable ASCII character at or after byte ceil(0.9 * size) and
+    at most max(4096, ceil(0.01 * size)) bytes after it, else the first character
+    boundary there."""
     at = -(-len(data) * 9 // 10)
-    for i in range(at, len(data)):
+    for i in range(at, min(len(data), at + max(4096, -(-len(data) // 100)) + 1)):
         if data[i] in b" \n" and 0x21 <= data[i - 1] <= 0x7E:
             return i
     while at < len(data) and data[at] & 0xC0 == 0x80:
@@ -327,6 +408,52 @@ def test_the_split_does_not_depend_on_the_chunk_size(tmp_path):
             else:
                 assert (train, val) == (a.read_text(), b.read_text())
     assert [len(r) for r in results.values()] == [1, 1]  # one outcome per corpus
+
+
+def _two_characters(data: bytes) -> bool:
+    try:
+        return len(data.decode()) == 2 and "\n" not in data.decode()
+    except UnicodeDecodeError:
+        return False
+
+
+def test_a_boundary_far_past_the_split_byte_does_not_shrink_validation(tmp_path):
+    """Japanese without spaces and one ASCII line at its end (300 KB): validation starts
+    at the split byte's character, not at that line, which lies beyond the 1 % (at least
+    4 KiB) searched; a boundary within it is still taken, and so is the start of a next
+    file within it, while one beyond it is not."""
+    line = "吾輩は猫である。名前はまだ無い。どこで生れたかとんと見当がつかぬ。\n"
+    text = line * 3000 + "(c) Natsume Soseki 1905\n"
+    data = text.encode()
+    corpus = _write(tmp_path / "novel.txt", text)
+    at = -(-len(data) * 9 // 10)
+    assert len(data) - 24 - at > max(4096, -(-len(data) // 100))  # the line is too far
+    split = _split_at(data)
+    assert split - at < 3 and data[split] & 0xC0 != 0x80
+    manifest = prepare_text([str(corpus)], "char", tmp_path / "ds", progress=False)
+    chars = len(data[:split].decode())
+    assert manifest["splits"]["train"]["tokens"] == chars
+    assert manifest["splits"]["validation"]["tokens"] == len(text) - chars
+    assert len(text) - chars > 0.09 * len(text)
+    # A boundary about 4000 bytes past the split byte, inside the window: taken (two
+    # characters there become "xy zab", as many bytes).
+    q = at + 3990
+    while not _two_characters(data[q : q + 6]):
+        q += 1
+    near = data[:q] + b"xy zab" + data[q + 6 :]
+    assert _split_at(near) == q + 2 < at + 4096
+    corpus.write_bytes(near)
+    manifest = prepare_text([str(corpus)], "char", tmp_path / "ds", progress=False)
+    assert manifest["splits"]["validation"]["tokens"] == len(near[q + 2 :].decode())
+    # Two files: a next file starting within the window is validation; beyond it, not.
+    a = _write(tmp_path / "a.txt", "日本" * 10000)  # 60000 bytes, no boundary
+    for b_bytes, starts_next in ((3336, True), (1112, False)):
+        b = _write(tmp_path / "b.txt", "x y " * (b_bytes // 4))
+        s = -(-(60000 + b_bytes) * 9 // 10)
+        assert (60000 - s <= 4096) == starts_next and s < 60000
+        manifest = prepare_text([str(a), str(b)], "char", tmp_path / "ds2", progress=False)
+        train = manifest["splits"]["train"]["tokens"]
+        assert train == (20000 if starts_next else -(-s // 3))
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1024, 1 << 20])

@@ -831,3 +831,21 @@ def test_an_evaluation_override_is_named_for_what_is_wrong_with_it(key, words):
     with pytest.raises(ConfigError, match=words.replace("?", r"\?")):
         check_discretisation_field(key)
     check_discretisation_field("discretisation.steps_per_layer")
+
+
+def test_the_summarys_tensorboard_command_can_be_pasted_for_a_path_with_spaces(capsys):
+    """The end-of-run summary's TensorBoard command quotes its directory: pasted into a
+    shell it names the run's tb directory, not two arguments."""
+    import shlex
+
+    from ocformer.training._loop import _print_summary
+
+    tb = "/tmp/my runs/sp ace run/tb"
+    _print_summary(dict(
+        step=3, wall_time_s=1.0, resumed_from=None, loss=1.0, val_loss=1.0,
+        val_accuracy=None, skipped_steps=0, data_wait_fraction=0.0, time_s={},
+        workdir="/tmp/my runs/sp ace run", metrics=None, tensorboard=tb, checkpoint=None,
+        samples=None,
+    ))  # fmt: skip
+    line = next(x for x in capsys.readouterr().out.splitlines() if "tensorboard --logdir" in x)
+    assert shlex.split(line.split("tensorboard  ", 1)[1]) == ["tensorboard", "--logdir", tb]

@@ -15,18 +15,21 @@ the chunk (and, for BPE training, by the table of distinct words). A chunk ends 
 before a space or newline that follows a printable ASCII character: every pre-tokenizer
 of the ``char`` and ``bpe`` tokenizers (and of GPT-2-style byte-level ones) splits
 there anyway, so the ids do not depend on the chunk size (a tokenizer given by path
-whose ids do, as one adding a prefix space to each text, is found on the corpus's start
-by ``_cuts_change_ids`` and encodes each file whole). A run of more than
+whose ids do, as one adding a prefix space to each text, is found by
+``_cuts_change_ids`` on the start of the first file longer than a chunk, and encodes
+each file whole). A run of more than
 ``MAX_CHUNKS`` chunks without such a place is cut at a character boundary instead.
 Files are read in the order given and their ids concatenated; each file is encoded on
 its own.
 
 The validation split (``val.bin``) is the end of the corpus: it starts at the first
 chunk boundary (as above, or the start of a file) at or after byte
-``ceil((1 - VALIDATION_FRACTION) * total)`` of the corpus; where there is none (the last
-file has no such place after that byte), at the first character boundary at or after
-it. ``split_point`` finds it by reading on from that byte, and no chunk crosses it, so
-the split does not depend on the chunk size (``MAX_CHUNKS`` does not apply to it).
+``s = ceil((1 - VALIDATION_FRACTION) * total)`` of the corpus and at most
+``split_search(total)`` bytes (1 % of the corpus, at least 4 KiB) past it; where there
+is none, at the first character boundary at or after ``s``, so that text without such
+places (Japanese, say, with one ASCII line at its end) still leaves validation its
+share. ``split_point`` finds it by reading on from that byte, and no chunk crosses it,
+so the split does not depend on the chunk size (``MAX_CHUNKS`` does not apply to it).
 
 The directory appears whole: it is built in a temporary sibling and renamed into place.
 An existing ``DIR`` is replaced only if it is empty or was written by this function.
@@ -61,8 +64,10 @@ from ._tokenizer import (
     char_table,
     char_tokenizer,
     encode,
+    encodes_whole,
     id_range,
     load_tokenizer,
+    read_tokenizer,
     unencodable,
 )
 
@@ -75,6 +80,10 @@ MANIFEST_FILE = "manifest.json"
 SPLIT_FILES = {"train": "train.bin", "validation": "val.bin"}
 DATASET_FILES = {MANIFEST_FILE, TOKENIZER_FILE, *SPLIT_FILES.values()}
 VALIDATION_FRACTION = 0.1
+# Validation starts at a chunk boundary or file start at most this far past its split
+# byte (a share of the corpus, at least SPLIT_SEARCH_MIN bytes), else at a character.
+SPLIT_SEARCH_FRACTION = 0.01
+SPLIT_SEARCH_MIN = 4096
 CHUNK_BYTES = 1 << 20
 MAX_CHUNKS = 8
 # Open checks the full SHA-256 and id range of .bin files up to this total size (well
@@ -185,11 +194,24 @@ def _last_cut(buf: bytes, end: int) -> int:
 _PROBE_BYTES = 1 << 16
 
 
-def _cuts_change_ids(tok: Tokenizer, file: pathlib.Path) -> bool:
-    """Whether ``tok`` gives other ids for the start of ``file`` cut at chunk boundaries
+def _cuts_change_ids(tok: Tokenizer, files: Sequence[pathlib.Path], chunk_bytes: int) -> bool:
+    """Whether ``tok`` gives other ids for the start of a file cut at chunk boundaries
     (see the module docstring) than for it whole: a pre-tokenizer that adds a prefix
-    space to each text, or that reads the whole text as one piece, does. False where
-    the sample has no boundary or does not encode (the encoding proper reports that)."""
+    space to each text, or that reads the whole text as one piece, does. Tried on the
+    first file longer than a chunk (a shorter one is encoded whole) whose start has a
+    boundary; False where there is none, or the sample does not encode (the encoding
+    proper reports that)."""
+    for file in files:
+        if file.stat().st_size > chunk_bytes:
+            changes = _cuts_change_start(tok, file)
+            if changes is not None:
+                return changes
+    return False
+
+
+def _cuts_change_start(tok: Tokenizer, file: pathlib.Path) -> bool | None:
+    """``_cuts_change_ids`` on the first ``_PROBE_BYTES`` of ``file``; None where they
+    hold no chunk boundary."""
     with open(file, "rb") as f:
         sample = f.read(_PROBE_BYTES)
     # A cut of each kind: before a newline and before a space (GPT-2's prefix space is
@@ -200,7 +222,7 @@ def _cuts_change_ids(tok: Tokenizer, file: pathlib.Path) -> bool:
         cuts.add(at)
     cuts = sorted(c for c in cuts | {_last_cut(sample, len(sample))} if c > 0)
     if not cuts:
-        return False
+        return None
     pieces = [sample[a:b] for a, b in zip([0, *cuts], [*cuts, len(sample)])]
     try:
         whole = encode(tok, sample[: len(sample)].decode("utf-8", errors="ignore"))
@@ -219,21 +241,27 @@ def _char_boundary(buf: bytes, at: int) -> int:
     return at
 
 
-def _scan_cut(fh: BinaryIO, at: int, block: int = 1 << 20) -> int | None:
-    """The first chunk boundary at or after ``at >= 1`` of the open file ``fh``, read in
-    blocks from byte ``at - 1`` on (the character before a boundary is part of it); None
-    if the file has none there."""
+def _scan_cut(fh: BinaryIO, at: int, last: int, block: int = 1 << 20) -> int | None:
+    """The first chunk boundary of the open file ``fh`` in ``[at, last]`` (``at >= 1``),
+    read in blocks from byte ``at - 1`` on (the character before a boundary is part of
+    it); None if the file has none there."""
     fh.seek(at - 1)
-    pos, buf = at - 1, fh.read(block)  # pos: the file offset of buf[0]
+    pos, buf = at - 1, fh.read(min(block, last + 2 - at))  # pos: the offset of buf[0]
     while buf:
-        if m := _CUT.search(buf):
+        if (m := _CUT.search(buf)) and pos + m.start() + 1 <= last:
             return pos + m.start() + 1
-        data = fh.read(block)
+        data = fh.read(max(0, min(block, last + 1 - (pos + len(buf)))))
         if not data:
             return None
         # Keep the last byte: it may be the printable character of a boundary at data[0].
         pos, buf = pos + len(buf) - 1, buf[-1:] + data
     return None
+
+
+def split_search(total: int) -> int:
+    """How far past the split byte a corpus of ``total`` bytes is searched for a place
+    to start validation (the module docstring)."""
+    return max(SPLIT_SEARCH_MIN, math.ceil(total * SPLIT_SEARCH_FRACTION))
 
 
 def split_point(files: Sequence[pathlib.Path]) -> tuple[int, int]:
@@ -242,6 +270,7 @@ def split_point(files: Sequence[pathlib.Path]) -> tuple[int, int]:
     validation would be empty (a corpus too short to split)."""
     sizes = [f.stat().st_size for f in files]
     split_byte = math.ceil(sum(sizes) * (1.0 - VALIDATION_FRACTION))
+    last = split_byte + split_search(sum(sizes))  # the last corpus offset searched
     start = 0  # corpus offset of the file
     for index, (file, size) in enumerate(zip(files, sizes, strict=True)):
         if start >= split_byte:
@@ -249,10 +278,10 @@ def split_point(files: Sequence[pathlib.Path]) -> tuple[int, int]:
         rel = split_byte - start
         if rel < size:
             with open(file, "rb") as fh:
-                cut = _scan_cut(fh, rel)
+                cut = _scan_cut(fh, rel, last - start)
                 if cut is not None:
                     return index, cut
-                if index + 1 < len(files):
+                if index + 1 < len(files) and start + size <= last:
                     return index + 1, 0
                 fh.seek(rel)
                 return index, rel + _char_boundary(fh.read(4), 0)
@@ -433,46 +462,43 @@ def prepare_text(
             for piece in stream_pieces(files, chunk_bytes, b.update):
                 yield piece.text()
 
-    if spec.kind == "char":
-        symbols: set[str] = set()
-        for text in texts("characters"):
-            symbols.update(text)
-        tok = char_tokenizer(symbols)
-    elif spec.kind == "bpe":
-        assert spec.bpe_size is not None
-        tok = bpe_tokenizer(texts("bpe training"), spec.bpe_size)
-    else:
-        assert spec.file is not None
-        tok = load_tokenizer(spec.file)
-    vocab_size = id_range(tok)
-    dtype = dtype_for(vocab_size)
-    table = char_table(tok) if spec.kind == "char" else None
-    encode_bytes = chunk_bytes
-    if spec.file is not None and _cuts_change_ids(tok, files[0]):
-        # The tokenizer's ids depend on where the text is cut (a prefix space added to
-        # every text, a SentencePiece-style whole-text piece): each file is encoded whole
-        # (each split's part of it), as the tokenizer would encode it.
-        encode_bytes = max(chunk_bytes, 1 + max(f.stat().st_size for f in files))
-        print(
-            f"ocformer: {tokenizer}: this tokenizer encodes a text cut in two otherwise "
-            "than the whole (it adds a prefix space, say), so each file is encoded whole: "
-            "memory grows with the largest file",
-            file=sys.stderr,
-            flush=True,
-        )
-
+    tmp = _scratch(out)  # first: an --out that cannot be written fails at once
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CorpusError(f"--out {out}: cannot create {out.parent} ({e.strerror})") from None
-    _remove_stale_partials(out)
-    tmp = pathlib.Path(
-        tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent)
-    )
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
+        if spec.kind == "char":
+            symbols: set[str] = set()
+            for text in texts("characters"):
+                symbols.update(text)
+            tok = char_tokenizer(symbols)
+        elif spec.kind == "bpe":
+            assert spec.bpe_size is not None
+            tok = bpe_tokenizer(texts("bpe training"), spec.bpe_size)
+        else:
+            assert spec.file is not None
+            tok = read_tokenizer(spec.file)
+            if switched := encodes_whole(tok):
+                print(
+                    f"ocformer: {tokenizer}: its {' and '.join(switched)} "
+                    f"{'is' if len(switched) == 1 else 'are'} switched off: a corpus is "
+                    "encoded whole, and so is a sampling prompt",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        vocab_size = id_range(tok)
+        dtype = dtype_for(vocab_size)
+        table = char_table(tok) if spec.kind == "char" else None
+        encode_bytes = chunk_bytes
+        if spec.file is not None and _cuts_change_ids(tok, files, chunk_bytes):
+            # The tokenizer's ids depend on where the text is cut (a prefix space added
+            # to every text, a SentencePiece-style whole-text piece): each file is
+            # encoded whole (each split's part of it), as the tokenizer would encode it.
+            encode_bytes = max(chunk_bytes, 1 + max(f.stat().st_size for f in files))
+            print(
+                f"ocformer: {tokenizer}: this tokenizer encodes a text cut in two otherwise "
+                "than the whole (it adds a prefix space, say), so each file is encoded whole: "
+                "memory grows with the largest file",
+                file=sys.stderr,
+                flush=True,
+            )
         tok_file = tmp / TOKENIZER_FILE
         if spec.file is not None:
             shutil.copyfile(spec.file, tok_file)  # byte for byte: its hash is the source's
@@ -527,9 +553,10 @@ def prepare_text(
             "split_rule": (
                 f"validation = the corpus from the first chunk boundary (before a space or "
                 f"newline that follows a printable ASCII character, or a file start) at or "
-                f"after byte ceil({1 - VALIDATION_FRACTION:g} * total bytes), or where the "
-                "last file has none after it, from the first character boundary at or "
-                "after it; training = the rest"
+                f"after byte s = ceil({1 - VALIDATION_FRACTION:g} * total bytes) and at "
+                f"most max({SPLIT_SEARCH_MIN}, ceil({SPLIT_SEARCH_FRACTION:g} * total "
+                "bytes)) bytes after it, or where there is none, from the first character "
+                "boundary at or after s; training = the rest"
             ),
             "validation_fraction": VALIDATION_FRACTION,
             "chunk_bytes": chunk_bytes,
@@ -541,6 +568,31 @@ def prepare_text(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _scratch(out: pathlib.Path) -> pathlib.Path:
+    """A new temporary sibling of ``out`` (its parents created), where the dataset is
+    built before it is renamed into place; stale ones a killed preparation left go."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CorpusError(f"--out {out}: cannot create {out.parent} ({e.strerror})") from None
+    _remove_stale_partials(out)
+    try:
+        tmp = pathlib.Path(
+            tempfile.mkdtemp(
+                prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent
+            )
+        )
+    except OSError as e:
+        raise CorpusError(
+            f"--out {out}: cannot write in {out.parent} ({e.strerror}); give an --out in "
+            "a directory this user can write"
+        ) from None
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
+    return tmp
 
 
 def _cannot_encode(file: pathlib.Path, spec: str, tok: Tokenizer, text: str, err) -> str:

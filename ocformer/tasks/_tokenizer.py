@@ -7,7 +7,9 @@
 - ``bpe:N``: a byte-level BPE of N symbols (256 bytes plus merges) trained on the corpus.
   Every text encodes, and decoding gives the text back exactly.
 - a path to a ``tokenizer.json`` file, or to a directory holding one (a Hugging Face
-  checkpoint directory): used as it is, copied byte for byte into the dataset.
+  checkpoint directory): used as it is, copied byte for byte into the dataset, except
+  that its truncation and padding, if it has them, are switched off wherever it is
+  loaded (``encodes_whole``).
 
 The ``tokenizers`` library is imported by the functions that use it, so that
 ``import ocformer`` and the built-in tasks run where it is not installed.
@@ -77,6 +79,14 @@ class TokenizerSpec:
 
 
 def load_tokenizer(file: pathlib.Path, what: str = "tokenizer") -> Tokenizer:
+    """``read_tokenizer(file, what)`` with its truncation and padding off
+    (``encodes_whole``): the tokenizer as a corpus or prompt is encoded with."""
+    tok = read_tokenizer(file, what)
+    encodes_whole(tok)
+    return tok
+
+
+def read_tokenizer(file: pathlib.Path, what: str = "tokenizer") -> Tokenizer:
     """``Tokenizer.from_file(file)``, with an error naming the file when it is not one."""
     from tokenizers import Tokenizer
 
@@ -88,6 +98,23 @@ def load_tokenizer(file: pathlib.Path, what: str = "tokenizer") -> Tokenizer:
             f"{what} {file} is not a tokenizer.json that the tokenizers library can load "
             f"({first}); give char, bpe:N or a tokenizer saved by tokenizers/transformers"
         ) from None
+
+
+def encodes_whole(tokenizer: Tokenizer) -> list[str]:
+    """Switch off ``tokenizer``'s truncation and padding, and say which it had: a
+    saved tokenizer may carry either (many sentence-embedding ones truncate to their
+    context), and a corpus, a chunk of it or a prompt is encoded whole, every id of
+    the text and nothing else (a tokenizer truncating to 128 ids kept 128 of a corpus's
+    10,000; one padding to 8192 filled most of the validation split with its pad id)."""
+    switched = []
+    if (truncation := tokenizer.truncation) is not None:
+        switched.append(f"truncation to {truncation['max_length']} ids")
+        tokenizer.no_truncation()
+    if (padding := tokenizer.padding) is not None:
+        length = padding.get("length")
+        switched.append("padding" + ("" if length is None else f" to {length} ids"))
+        tokenizer.no_padding()
+    return switched
 
 
 def char_tokenizer(symbols: Iterable[str]) -> Tokenizer:

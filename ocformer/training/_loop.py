@@ -30,6 +30,7 @@ import contextlib
 import math
 import os
 import queue
+import shlex
 import sys
 import threading
 import time
@@ -779,7 +780,7 @@ def _print_summary(s: dict) -> None:
     if s["metrics"]:
         lines.append(f"    metrics      {s['metrics']}")
     if s["tensorboard"]:
-        lines.append(f"    tensorboard  tensorboard --logdir {s['tensorboard']}")
+        lines.append(f"    tensorboard  tensorboard --logdir {shlex.quote(s['tensorboard'])}")
     if s["checkpoint"]:
         lines.append(f"    checkpoint   {s['checkpoint']}")
     if s["samples"]:
