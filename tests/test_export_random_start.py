@@ -163,6 +163,15 @@ def test_a_random_start_image_classifier_is_exported_as_vit(tmp_path):
     back = from_pretrained(tmp_path / "hf64")  # channels-last (B, 8, 8, 1)
     got = np.asarray(back(jnp.asarray(images[..., None], jnp.float64)))
     np.testing.assert_allclose(got, ours, rtol=0, atol=1e-12)
+    # The model built for (B, 8, 8) reads (B, 8, 8, 1) too, as the imported one does (its
+    # channel check had compared the width with 1); channels first is still refused.
+    np.testing.assert_array_equal(
+        np.asarray(model(jnp.asarray(images[..., None], jnp.float64))), ours
+    )
+    with pytest.raises(
+        ValueError, match=r"\(B, H, W, C\) = \(B, 8, 8, 1\); got shape \(4, 1, 8, 8\)"
+    ):
+        model(jnp.asarray(images[:, None]))
 
 
 def test_the_export_command_names_the_tied_readout_for_an_untied_run(tmp_path, capsys):

@@ -579,7 +579,7 @@ def test_a_grey_vit_checkpoint_trains_on_digits_and_its_patch_size_is_kept(
 ):
     """A one-channel ViT (8x8 images, 4x4 patches) starts a run of the digits task,
     whose images have no channel axis; another ``task.patch_size`` is refused with exit
-    code 2 naming the checkpoint's."""
+    code 2 naming the checkpoint's, and so is a ViTModel, which has no classifier."""
     from transformers import ViTConfig, ViTForImageClassification
 
     vit = ViTForImageClassification(
@@ -597,6 +597,20 @@ def test_a_grey_vit_checkpoint_trains_on_digits_and_its_patch_size_is_kept(
     assert train_cli.main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
     assert "task.patch_size: is 2, but the checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+    # ViTModel (a pooler, or nothing, on the class token; no classifier): refused, with
+    # how to attach a classifier; its pooler's tanh had been trained as the logits.
+    from transformers import ViTModel
+
+    for pooling in (True, False):
+        name = f"vit_model_{pooling}"
+        ViTModel(vit.config, add_pooling_layer=pooling).save_pretrained(tmp_path / name)
+        sets = [*QUIET, *start, f"model.init_from={tmp_path / name}"]
+        assert train_cli.main([*argv, *(a for s in sets for a in ("--set", s))]) == 2
+        has = "ViT's pooler (tanh(u(x_0) W + b), 8 outputs)" if pooling else "no head"
+        err = capsys.readouterr().err
+        assert f"{tmp_path / name} has {has} and no classifier" in err
+        assert "ViTForImageClassification.from_pretrained(SOURCE, num_labels=10)" in err
+        assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ and 4.9e-7); a round trip HF -> ocformer -> HF (``to_pretrained``, reloaded by
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,13 @@ from transformers import (
     ViTModel,
 )
 
-from ocformer.convert import SUPPORTED_MODEL_TYPES, from_pretrained, to_pretrained
+from ocformer.convert import (
+    SUPPORTED_MODEL_TYPES,
+    from_layers,
+    from_pretrained,
+    to_layers,
+    to_pretrained,
+)
 from ocformer.models import Pooler, Readout, SequenceModel, TiedReadout, refine
 
 F64_TOL = 1e-10
@@ -422,6 +429,43 @@ def test_to_pretrained_refuses_other_discretisations(saved, tmp_path):
         to_pretrained(model.transformer, tmp_path / "out")
 
 
+@pytest.mark.parametrize("family", ["gpt2", "bert", "vit"])
+def test_to_pretrained_refuses_a_source_config_that_no_longer_describes_the_model(
+    saved, tmp_path, family
+):
+    """A model from from_pretrained whose transformer was replaced keeps its source's
+    config.json: written with it, transformers computed another function (GPT-2 with
+    ReLU: 22 % off; non-causal: 83 %) or initialised a missing layer at random. Each
+    difference is refused and named; the unchanged model still exports."""
+    model = from_pretrained(saved[family][0])
+    t = model.transformer
+    layers = to_layers(t)
+    options = dict(
+        norm=t.norm, num_heads=t.attention.num_heads, activation=t.feedforward.activation,
+        causal=t.attention.causal, ln_eps=t.layer_norm.eps,
+        final_norm=None if t.final_norm is None else {
+            "scale": np.asarray(t.final_norm.scale), "bias": np.asarray(t.final_norm.bias)
+        },
+    )  # fmt: skip
+    same = model.with_transformer(from_layers(layers, **options))
+    to_pretrained(same, tmp_path / "same")
+    other = "gelu" if options["activation"] == "relu" else "relu"
+    heads = 2 if options["num_heads"] != 2 else 1
+    for change, said in (
+        (dict(activation=other), f"activation {other!r} (the configuration: "),
+        (dict(ln_eps=0.125), "LayerNorm epsilon 0.125 (the configuration: "),
+        (dict(causal=not options["causal"]), "causal attention "),
+        (dict(num_heads=heads), f"attention heads {heads} (the configuration: "),
+    ):
+        changed = model.with_transformer(from_layers(layers, **(options | change)))
+        with pytest.raises(ValueError, match="does not describe it: " + re.escape(said)):
+            to_pretrained(changed, tmp_path / "out")
+        assert not os.path.exists(tmp_path / "out")  # nothing written
+    shorter = model.with_transformer(from_layers(layers[:1], **options))
+    with pytest.raises(ValueError, match=r"does not describe it: .* absent \(the configuration"):
+        to_pretrained(shorter, tmp_path / "out")
+
+
 # ---------------------------------------------------------------------------------------
 # The export directory: never mixed with another checkpoint.
 
@@ -541,6 +585,21 @@ def test_to_pretrained_into_a_file_is_a_value_error(saved, tmp_path):
     with pytest.raises(ValueError, match="model.safetensors' above it is a file"):
         to_pretrained(from_pretrained(saved["gpt2"][0]), file / "deeper" / "export")
     assert _siblings(file) == ["model.safetensors"]
+
+
+def test_to_pretrained_into_a_symbolic_link_is_refused(saved, tmp_path):
+    """A link to an earlier export was replaced by a new directory, its target kept the
+    old weights, and a hidden link was left beside it: refused, naming the target."""
+    model = from_pretrained(saved["gpt2"][0])
+    target, link = tmp_path / "export", tmp_path / "link"
+    to_pretrained(model, target)
+    link.symlink_to(target)
+    before = _files(target)
+    with pytest.raises(ValueError, match=r"is a symbolic link .*give the directory itself"):
+        to_pretrained(model, link)
+    assert link.is_symlink() and _files(target) == before
+    assert sorted(os.listdir(tmp_path)) == ["export", "link"]
+    to_pretrained(model, target)  # the directory itself, replaced as usual
 
 
 def test_to_pretrained_writes_extra_files_it_may_replace(saved, tmp_path):

@@ -175,10 +175,18 @@ def check_destination(path: str, overwrite: bool) -> None:
     """Refuse a destination that holds anything but ocformer's own export.
 
     Raises:
-        ValueError: ``path``, or a folder above it, is a file.
+        ValueError: ``path``, or a folder above it, is a file; or ``path`` is a
+            symbolic link (the directory is replaced whole, by a rename, which would
+            replace the link and leave its target as it was).
         FileExistsError: ``path`` is a directory that is not empty and is not an
             export of ocformer's (or holds files besides it), and ``overwrite`` is off.
     """
+    if os.path.islink(path):
+        raise ValueError(
+            f"to_pretrained writes a checkpoint directory, but {path!r} is a symbolic link "
+            f"(to {os.readlink(path)!r}), which the new directory would replace, leaving "
+            f"its target as it was; give the directory itself ({os.path.realpath(path)!r})."
+        )
     if os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(
             f"to_pretrained writes a checkpoint directory, but {path!r} is a file; give "

@@ -12,7 +12,7 @@ half-loaded.
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -117,6 +117,68 @@ def export_config(model: SequenceModel) -> dict:
     return describe_gpt2(model)
 
 
+# What the configuration ``to_pretrained`` writes must give back, by name.
+_ARCHITECTURE: dict[str, Callable[[SequenceModel], object]] = {
+    "layers": lambda m: m.transformer.num_layers,
+    "width": lambda m: m.transformer.width,
+    "attention heads": lambda m: m.transformer.attention.num_heads,
+    "causal attention": lambda m: m.transformer.attention.causal,
+    "activation": lambda m: m.transformer.feedforward.activation,
+    "LayerNorm epsilon": lambda m: m.transformer.layer_norm.eps,
+    "LayerNorm position": lambda m: m.transformer.norm,
+    "final LayerNorm": lambda m: m.transformer.final_norm is not None,
+    "embedding": lambda m: type(m.embedding).__name__,
+    "readout": lambda m: "tied" if m.tied else type(m.head).__name__,
+}
+
+
+def _check_describes(model: SequenceModel, family: Family, config: dict, tensors) -> None:
+    """Refuse to write ``config`` with ``tensors`` unless ``transformers`` would compute
+    ``model`` with them: every tensor the configuration implies, of its shape, and no
+    other; and the model ``from_pretrained`` builds from them of ``model``'s
+    architecture. A model from ``from_pretrained`` whose transformer was replaced
+    (``with_transformer``) still carries its source's configuration, which may no
+    longer describe it: written as it was, the checkpoint computed another function
+    (another activation, epsilon, head count or causality), or left layers for
+    ``transformers`` to initialise at random.
+
+    Raises:
+        ValueError: naming the tensors or the architecture's parts that differ.
+    """
+    required, optional = family.shapes(config)
+    present = frozenset(h for h, group in optional.items() if set(group) <= set(tensors))
+    expected = dict(required)
+    for head in present:
+        expected |= optional[head]
+    found = {k: tuple(np.shape(v)) for k, v in tensors.items()}
+    differ = [
+        f"{k} {found.get(k, 'absent')} (the configuration: {expected.get(k, 'absent')})"
+        for k in sorted(set(expected) | set(found))
+        if found.get(k) != (tuple(expected[k]) if k in expected else None)
+    ]
+    if not differ:
+        rebuilt = SequenceModel(**family.build(config, tensors, present))
+        differ = [
+            f"{what} {get(model)!r} (the configuration: {get(rebuilt)!r})"
+            for what, get in _ARCHITECTURE.items()
+            if get(model) != get(rebuilt)
+        ]
+    if differ:
+        more = f"; and {len(differ) - 4} more" if len(differ) > 4 else ""
+        whose = (
+            "this model carries (source_config, from the checkpoint it was imported from)"
+            if model.source_config is not None
+            else "made for this model"
+        )
+        raise ValueError(
+            f"to_pretrained: the {config['model_type']} configuration {whose} does not "
+            f"describe it: {'; '.join(differ[:4])}{more}. A model whose transformer was replaced "
+            "after from_pretrained keeps its source's configuration; give it the "
+            "source's architecture, or build it from an ocformer configuration, which is "
+            "written with one of its own."
+        )
+
+
 def to_pretrained(
     model: SequenceModel,
     path: str | os.PathLike,
@@ -172,6 +234,7 @@ def to_pretrained(
     check_destination(path, overwrite)
     family = _family(config)
     tensors, updates = family.export(model, config)
+    _check_describes(model, family, config | updates, tensors)
     dtype = np.asarray(next(iter(tensors.values()))).dtype
     prefix = family.prefix if updates["architectures"][0] != family.base_architecture else ""
     heads_outside = ("lm_head.", "classifier.")

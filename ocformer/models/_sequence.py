@@ -100,11 +100,11 @@ class SequenceModel(eqx.Module):
         if (
             isinstance(self.embedding, PatchEmbedding)
             and inputs.ndim == 4
-            and inputs.shape[-1] != self.embedding.input_shape[-1]
+            and inputs.shape[-1] != (*self.embedding.input_shape, 1)[2]  # channels
         ):
             raise ValueError(
                 f"Images are channels-last, (B, H, W, C) = (B, "
-                f"{', '.join(map(str, self.embedding.input_shape))}); got shape "
+                f"{', '.join(map(str, (*self.embedding.input_shape, 1)[:3]))}); got shape "
                 f"{inputs.shape}. Transpose (B, C, H, W) pixel values with "
                 "x.transpose(0, 2, 3, 1)."
             )

@@ -257,6 +257,25 @@ def check_task(config: Config, task, model: SequenceModel, source: Source) -> No
                 "whose tokenizer is the checkpoint's (or a smaller vocabulary)",
             )
         return
+    if isinstance(embedding, PatchEmbedding) and (
+        model.head is None or isinstance(model.head, Pooler)
+    ):
+        # ViTModel (the usual checkpoint to fine-tune, as vit-base-patch16-224-in21k):
+        # trained as the class logits, a pooler's tanh would bound them to [-1, 1].
+        has = (
+            "no head"
+            if model.head is None
+            else f"ViT's pooler (tanh(u(x_0) W + b), {_readout_size(model)} outputs)"
+        )
+        raise ConfigError(
+            FIELD,
+            f"the checkpoint at {source.path} has {has} and no classifier, which task "
+            f"{config.task.name!r} needs ({task.num_classes} class logits of the class "
+            "token). Attach a new classifier the way transformers does, and start from "
+            "that: ViTForImageClassification.from_pretrained(SOURCE, "
+            f"num_labels={task.num_classes}).save_pretrained(DIR), then "
+            "model.init_from=DIR",
+        )
     if not isinstance(embedding, PatchEmbedding) or model.head is None or model.head.per_token:
         raise ConfigError(
             FIELD,
