@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECTION.FIELD=VALUE",
         help=(
             "change one discretisation field (repeatable), e.g. "
-            "--set discretisation.steps_per_layer=4; with --config, any field"
+            "--set discretisation.steps_per_layer=4, or give task.path=DIR where the "
+            "run's dataset was moved; with --config, any field"
         ),
     )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

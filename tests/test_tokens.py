@@ -603,6 +603,7 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
     --allow-config-change) and refused by ocformer.evaluate, instead of silently giving
     the numbers of other data."""
     from ocformer import evaluate as evaluate_cli
+    from ocformer.training import load_run
 
     root, a, b = corpus
     data = tmp_path / "data"
@@ -639,7 +640,7 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
         json.loads((run / "run.json").read_text())["dataset"]["train_sha256"]
         == (again["splits"]["train"]["sha256"])
     )
-    assert evaluate_cli.main([str(run)]) == ExitCode.OK
+    assert evaluate_cli.main([str(run), "--json", str(tmp_path / "before.json")]) == ExitCode.OK
     # Gone from its path: every reader of the run says which dataset to put back
     # (exit 2), rather than advise preparing a new one there.
     from ocformer import export as export_cli
@@ -656,6 +657,26 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
         code, err = main(args), capsys.readouterr().err
         assert code == ExitCode.USAGE and gone in err and put_back in err, err
         assert "Traceback" not in err and "Prepare a dataset" not in err
+        assert "give its new place with --set task.path=DIR" in err
+    # Its new place, holding the same files: evaluate takes it (the same numbers), and
+    # so does a resume, without --allow-config-change; the run's readers then find it.
+    moved = tmp_path / "moved"
+    val_loss = json.loads((tmp_path / "before.json").read_text())["val_loss"]
+    for args in ([str(run), "--set", f"task.path={moved}"], [str(run), "--set",
+                 f"task.path={moved}", "--set", "discretisation.steps_per_layer=1"]):  # fmt: skip
+        assert evaluate_cli.main([*args, "--json", str(tmp_path / "after.json")]) == ExitCode.OK
+        assert json.loads((tmp_path / "after.json").read_text())["val_loss"] == val_loss
+    other = tmp_path / "other"
+    prepare_text([str(root / "a.txt")], "char", other, progress=False)
+    capsys.readouterr()
+    assert evaluate_cli.main([str(run), "--set", f"task.path={other}"]) == ExitCode.USAGE
+    assert f"than the dataset directory at task.path {other} holds now" in capsys.readouterr().err
+    there = [f"task.path={moved}" if a == f"task.path={data}" else a for a in argv]
+    assert cli.main([*there, "--set", "train.steps=2"]) == ExitCode.OK
+    assert json.loads((run / "run.json").read_text())["dataset"]["path"] == str(moved.resolve())
+    assert evaluate_cli.main([str(run), "--step", "2"]) == ExitCode.OK  # trained at data/
+    config, _ = load_run(run, 2)
+    assert config.task.path == str(moved)
 
 
 def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monkeypatch):

@@ -182,6 +182,22 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch, capsys):
     assert not np.array_equal(after3["000000"], after4["000000"])
 
 
+def test_a_skip_run_with_a_nonfinite_validation_loss_resumes(tmp_path, capsys):
+    """A run that diverged under ``on_nonfinite=skip`` logs its validation loss as
+    "nan"; resuming it (longer, or with nothing left to do) read that string back as a
+    number to compare, and ended in a TypeError (exit 1): the run could not go on."""
+    sets = [*QUIET, "train.on_nonfinite=skip", "optimiser.learning_rate=1e30"]
+    sets += ["optimiser.clip_norm=none", "train.eval_every=2", "train.checkpoint_every=2"]
+    train(resolve(SMOKE, [*sets, "train.steps=4"]), str(tmp_path))
+    assert any(r.get("val_loss") == "nan" for r in read_metrics(tmp_path))
+    summary = train(resolve(SMOKE, [*sets, "train.steps=6"]), str(tmp_path),
+                    allow_config_change=True)  # fmt: skip
+    assert summary["step"] == 6 and math.isnan(summary["val_loss"])
+    again = train(resolve(SMOKE, [*sets, "train.steps=6"]), str(tmp_path))  # nothing to do
+    assert again["step"] == 6 and math.isnan(again["val_loss"])
+    assert "val loss n/a" in capsys.readouterr().out
+
+
 def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path, monkeypatch):
     monkeypatch.setattr(_loop, "make_train_step", nan_at_update(3))
     overrides = [*QUIET, "train.steps=4", "train.checkpoint_every=1"]
@@ -805,6 +821,7 @@ def test_a_non_finite_evaluation_is_refused_with_exit_code_4(monkeypatch):
     with pytest.raises(NonFiniteEvaluation, match="diverges under this discretisation") as e:
         evaluate(config, nan)
     assert e.value.exit_code == ExitCode.NON_FINITE == 4 and not e.value.solve_failed
+    assert "or its parameters give a non-finite loss under any" in str(e.value)
     failed = dict.fromkeys(("solver_steps", "accepted_steps", "rejected_steps"), 2**31 - 1)
     monkeypatch.setattr(_evaluate, "solver_stats", lambda m, b: {**failed, "nfe": None})
     with pytest.raises(NonFiniteEvaluation, match="its solve failed") as e:

@@ -61,6 +61,11 @@ FOLLOWING_FIELDS: tuple[str, ...] = (
 DISCRETISATION_SECTIONS: tuple[str, ...] = ("discretisation",)
 
 
+# The one field outside the discretisation an evaluation takes: where the run's dataset
+# directory is now, when it was moved (it must hold the same files).
+MOVED_FIELD = "task.path"
+
+
 def check_discretisation_field(key: str) -> None:
     """Refuse an evaluation-time change of anything but the discretisation.
 
@@ -338,11 +343,15 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
             f"a list of 'section.field=value' strings, got the string {overrides!r}: give "
             f"[{overrides!r}]",
         )
-    for text in overrides:
+    # task.path may name where the run's dataset was moved (the same files).
+    moved = [o for o in overrides if o.split("=", 1)[0].strip() == MOVED_FIELD]
+    changes = [o for o in overrides if o not in moved]
+    for text in changes:
         check_discretisation_field(text.split("=", 1)[0].strip())
+    task_path = moved[-1].split("=", 1)[1].strip() if moved else None
     enable_x64_for_run(workdir)  # before its model is built, as in ocformer.train
-    config, trained, at_step = load_run_at(workdir, step)
-    new_config = evaluation_config(config, overrides)
+    config, trained, at_step = load_run_at(workdir, step, task_path=task_path or None)
+    new_config = evaluation_config(config, changes)
     # A replace of the discretisation value: the trained arrays are untouched, and the
     # grid-dependent parts are derived from the new value at the next solve.
     model = rediscretise(trained, build_discretisation(new_config))

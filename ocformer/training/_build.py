@@ -39,7 +39,7 @@ from ..models import (
     with_conv_projections,
 )
 from ..objective import MSA, Constraints, Objective, Ternary
-from ..tasks import TASKS, AbstractTextTask, make_task
+from ..tasks import TASKS, AbstractTextTask, dataset_identity, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser, under_standard_promotion
@@ -278,13 +278,18 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
 
 
 def restore_run(
-    workdir: str | os.PathLike, step: int | None = None
+    workdir: str | os.PathLike, step: int | None = None, *, task_path: str | None = None
 ) -> tuple[Config, SequenceModel, int, str]:
     """The configuration and model of an ocformer work directory at a committed
     checkpoint (the newest, or ``step``), that step, and the checkpoint's directory.
     The configuration is the one that wrote that checkpoint (recorded in it): after a
     resume with ``--allow-config-change`` an earlier checkpoint's differs from
     ``config.json``, which is the newest.
+
+    ``task_path`` is where the run's dataset directory is now, when it was moved: it
+    must hold the files the run recorded (their SHA-256), and the configuration reads
+    it. A checkpoint whose recorded ``task.path`` holds no dataset any more reads the
+    run's (``config.json``'s, after a resume that gave the moved place) too.
 
     Raises:
         WorkdirError: not an ocformer work directory, no configuration, or no committed
@@ -316,12 +321,15 @@ def restore_run(
             "configuration its newest checkpoint records"
         ) from None
     config = _anchored(config, path)
+    if task_path is not None:
+        config = _reading(config, os.path.abspath(os.path.expanduser(task_path)))
     if (changed := dataset_change(path, config)) is not None:
+        again = "it was prepared again since" if task_path is None else "it is another dataset"
         raise WorkdirError(
             f"{path} was trained on other data than the dataset directory at task.path "
             f"{config.task.path} holds now (SHA-256 prefixes then: {changed[0]}; now: "
-            f"{changed[1]}): it was prepared again since. Put back the dataset the run "
-            "trained on to load the run"
+            f"{changed[1]}): {again}. Put back the dataset the run trained on to load "
+            "the run"
         )
     if (missing := dataset_missing(path, config)) is not None:
         raise WorkdirError(missing)
@@ -332,6 +340,16 @@ def restore_run(
         # --allow-config-change (another discretisation, say) holds checkpoints of
         # both, and config.json is only the newest's.
         trained = _anchored(_checkpoint_config(checkpoints, chosen, config), path)
+        if (
+            trained.task.name == "tokens"
+            and trained.task.path != config.task.path
+            and (
+                task_path is not None
+                or trained.task.path is None
+                or dataset_identity(trained.task.path) is None
+            )
+        ):
+            trained = _reading(trained, config.task.path)  # the dataset moved
         if built.get("config") != trained:
             # The model is a template: the checkpoint replaces its parameters.
             built["config"] = trained
@@ -352,6 +370,11 @@ def restore_run(
         directory = checkpoints.path(chosen)
     model = eqx.combine(jax.tree.map(jnp.asarray, tree[0]), built["exp"].model)
     return built["config"], model, chosen, directory
+
+
+def _reading(config: Config, task_path: str | None) -> Config:
+    """``config`` reading its dataset directory at ``task_path``."""
+    return dataclasses.replace(config, task=with_field(config.task, "path", task_path))
 
 
 def _anchored(config: Config, workdir: str) -> Config:

@@ -113,8 +113,10 @@ class NonFiniteEvaluation(TrainingError):
             )
         else:
             why = (
-                "the trained model diverges under this discretisation; try more "
-                "discretisation.steps_per_layer or another stepper"
+                "the trained model diverges under this discretisation (try more "
+                "discretisation.steps_per_layer or another stepper), or its parameters "
+                "give a non-finite loss under any (a run that diverged in training: its "
+                "metrics.jsonl shows the validation loss it logged)"
             )
         super().__init__(0, f"the validation loss is not finite (NaN or Inf): {why}.")
 

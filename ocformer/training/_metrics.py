@@ -18,6 +18,14 @@ def _plain(value):
     return value
 
 
+# What ``_plain`` writes for the non-finite floats, which ``MetricsLog.read`` reads back.
+_NON_FINITE = {repr(x): x for x in (math.nan, math.inf, -math.inf)}
+
+
+def _unplain(record: dict) -> dict:
+    return {k: _NON_FINITE.get(v, v) if isinstance(v, str) else v for k, v in record.items()}
+
+
 class MetricsLog:
     """Append-only metrics file that a resumed run repairs and rewinds to its checkpoint.
 
@@ -30,6 +38,8 @@ class MetricsLog:
         self.path = path
 
     def read(self) -> list[dict]:
+        """The whole records, non-finite values (written ``"nan"``, ``"inf"``) as
+        floats again: a resumed run compares its earlier validation losses."""
         if not os.path.exists(self.path):
             return []
         out = []
@@ -40,7 +50,7 @@ class MetricsLog:
                 except ValueError:
                     continue  # a line torn by a kill
                 if isinstance(record, dict) and isinstance(record.get("step"), int):
-                    out.append(record)
+                    out.append(_unplain(record))
         return out
 
     def repair(self, step: int) -> list[str]:

@@ -90,6 +90,18 @@ def dataset_change(workdir: str, config: Config) -> tuple[str, str] | None:
         return "unreadable", _describe_dataset(current)
 
 
+def dataset_moved(workdir: str, config: Config) -> bool:
+    """Whether the dataset directory a run of ``config`` reads holds exactly the data
+    (the same SHA-256 of its tokenizer and of each split) that the run in ``workdir``
+    recorded in its ``run.json`` at another path: the dataset was moved, or copied,
+    and the new ``task.path`` names the same problem."""
+    current = run_dataset(config)
+    recorded = run_record(workdir, "dataset")
+    if current is None or not isinstance(recorded, dict) or recorded.get("path") == current["path"]:
+        return False
+    return all(recorded.get(k) == v for k, v in current.items() if k.endswith("_sha256"))
+
+
 def dataset_missing(workdir: str, config: Config) -> str | None:
     """Why the run in ``workdir`` cannot be read with ``config``: the dataset directory
     it recorded in its ``run.json`` is gone from that path (or holds no readable
@@ -112,9 +124,10 @@ def dataset_missing(workdir: str, config: Config) -> str | None:
         files = ""
     return (
         f"{workdir} was trained on the dataset directory at task.path {recorded['path']}, "
-        f"which holds no dataset now: put back the dataset the run trained on{files}; "
-        "or, to train on with another dataset, resume with its task.path and "
-        "--allow-config-change"
+        f"which holds no dataset now: put back the dataset the run trained on{files}, or "
+        "where it was moved to, give its new place with --set task.path=DIR (resuming and "
+        "evaluating take it, when DIR holds those same files); or, to train on with "
+        "another dataset, resume with its task.path and --allow-config-change"
     )
 
 
@@ -407,6 +420,8 @@ class RunDirectory:
             run_record(self.path, "cwd"),
             run_record(self.path, "init_from"),
         )
+        if "task.path" in changes and dataset_moved(self.path, config):
+            del changes["task.path"]  # the same files elsewhere: the same problem
         if (changed := dataset_change(self.path, config)) is not None:
             changes[DATASET_CHANGE] = changed
         if (missing := dataset_missing(self.path, config)) is not None:
