@@ -350,7 +350,11 @@ BAD_CONFIGS = [
     ),
     # The schedule's step and the data's indices are int32, JAX's keys 32-bit seeds:
     # larger values were an OverflowError traceback (or seed 2**32 the key of seed 0).
-    (["train.steps=3000000000"], "train.steps", "held as a 32-bit integer"),
+    (
+        ["train.steps=3000000000"],
+        "train.steps",
+        "must lie in [0, 2147483647] (it is held as a 32-bit integer)",
+    ),
     (["optimiser.warmup_steps=99999999999999999999999"], "optimiser.warmup_steps", "32-bit"),
     (["train.seed=4294967296"], "train.seed", "must be < 4294967296"),
     (["train.steps"], "--set", "bad --set syntax"),

@@ -136,10 +136,11 @@ def _check_field(path: str, f: dataclasses.Field, tp, value) -> None:
             isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT32_MAX for v in numbers
         )
     ):
+        low = next((meta[k] + (k == "gt") for k in ("ge", "gt") if meta.get(k) is not None), None)
+        low = -INT32_MAX if low is None else low
         raise ConfigError(
             path,
-            f"must lie in [-{INT32_MAX}, {INT32_MAX}] (it is held as a 32-bit integer), "
-            f"got {value!r}",
+            f"must lie in [{low}, {INT32_MAX}] (it is held as a 32-bit integer), got {value!r}",
         )
     if value is None or isinstance(value, str | bool | tuple):
         return
