@@ -468,7 +468,7 @@ class CheckpointManager:
                 raise ChecksumMismatch(
                     f"checkpoint {path} is corrupted: the bytes of {h['path']} differ from "
                     "those saved (SHA-256 mismatch; the file was changed on disk after the "
-                    "checkpoint was committed)"
+                    "checkpoint was committed)."
                 )
         treedef = jtu.tree_structure(template)
         return jtu.tree_unflatten(treedef, arrays)
