@@ -1,6 +1,7 @@
 """The analysis command keeps partial results and checks its outputs before computing."""
 
 import json
+import re
 
 import pytest
 
@@ -82,9 +83,56 @@ def test_the_library_studies_refuse_what_the_command_line_refuses(capsys):
     # named as the reference's steps_per_layer.
     with pytest.raises(ValueError, match=r"Step counts must be whole numbers >= 1, got \[2.5, 4\]"):
         convergence_study(["lie"], [2.5, 4])
-    for factor in (0, 1.5, True):
-        with pytest.raises(ValueError, match=r"reference_factor must be a whole number >= 1"):
+    # A factor of 1 made the finest column the reference itself: an error of 0.
+    for factor in (0, 1, 1.5, True):
+        with pytest.raises(ValueError, match=r"reference_factor must be a whole number >= 2"):
             convergence_study(["lie"], [2, 4], reference_factor=factor)
+    # One epsilon gave a "slope" fitted to one point (0.293, exit 0).
+    with pytest.raises(ValueError, match=r"at least two distinct epsilons, got \[0.1\]"):
+        convergence_study(formulation="relaxed", epsilons=(0.1,))
+    assert cli.main(["convergence", "--formulation", "relaxed", "--epsilons", "0.1"]) == 2
+    assert "A slope in epsilon needs at least two distinct epsilons" in capsys.readouterr().err
+
+
+def test_a_scheme_that_does_not_fit_the_equation_is_bad_input(capsys, monkeypatch):
+    """A Strang sequence that is no permutation of the equation's terms was a column
+    of "failed" cells after the reference solve, with exit 0; an unbalanced name was
+    reported as an unknown scheme '1'. Both are refused before any solve."""
+    from ocformer.analysis import _convergence, convergence_study
+
+    solved = []
+    monkeypatch.setattr(_convergence, "study_input", lambda *a: solved.append(1))
+    for sequence in ("strang(0,0,1)", "strang(5)", "strang()"):
+        with pytest.raises(ValueError, match=rf"scheme '{re.escape(sequence)}' does not fit the"):
+            convergence_study(["lie", sequence], [1, 2])
+        assert cli.main(["convergence", "--schemes", f"lie,{sequence}", "--steps", "1,2"]) == 2
+        err = capsys.readouterr().err
+        assert "must be a permutation of the 2 term indices (0, 1)" in err
+    assert not solved
+    assert cli.main(["convergence", "--schemes", "lie,strang(1,0", "--steps", "1,2"]) == 2
+    assert "unbalanced parentheses in 'lie,strang(1,0'" in capsys.readouterr().err
+
+
+def test_a_plot_is_written_whole_in_the_format_of_its_extension(tmp_path, capsys, monkeypatch):
+    """--plot x.xyz ended in a traceback after the whole study (exit 1), and a name
+    without an extension wrote another file (name.png): both are refused before
+    computing; a .pdf or .svg name gets that format, written whole."""
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("computed before checking the plot's format")
+
+    with monkeypatch.context() as m:
+        m.setattr("ocformer.analysis._convergence.convergence_study", must_not_run)
+        for name, words in (("x.xyz", "its extension .xyz names no image format"),
+                            ("noext", "it has no extension")):  # fmt: skip
+            assert cli.main(["convergence", "--steps", "2,4", "--plot", str(tmp_path / name)]) == 2
+            err = capsys.readouterr().err
+            assert words in err and "nothing was computed" in err and "Traceback" not in err
+    argv = ["convergence", "--schemes", "lie", "--steps", "1,2"]
+    for name, magic in (("p.pdf", b"%PDF"), ("p.svg", b"<?xml"), ("p.png", b"\x89PNG")):
+        assert cli.main([*argv, "--plot", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes().startswith(magic)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pdf", "p.png", "p.svg"]
 
 
 def test_a_refusal_names_the_command_and_its_options(capsys):

@@ -80,6 +80,10 @@ def _steps(text: str) -> list[int]:
 def _names(text: str) -> list[str]:
     """Comma-separated names; commas inside parentheses belong to the name, as in
     ``strang(1,0,2)``."""
+    if text.count("(") != text.count(")"):
+        raise argparse.ArgumentTypeError(
+            f"unbalanced parentheses in {text!r}; a sequence is written e.g. strang(1,0,2)"
+        )
     names = [m.strip() for m in re.findall(r"(?:[^,(]|\([^)]*\))+", text) if m.strip()]
     if not names:
         raise argparse.ArgumentTypeError("no scheme given; give e.g. lie,strang")
@@ -181,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         "equation with this epsilon (instead of the error in epsilon)",
     )
     conv.add_argument("--json", dest="json_path", default=None, help="write the result here")
-    conv.add_argument("--plot", default=None, help="write a log-log plot (PNG) here")
+    conv.add_argument(
+        "--plot",
+        default=None,
+        help="write a log-log plot here, in the format of its extension (.png, .pdf, .svg)",
+    )
     try:
         args = parser.parse_args(_joined_lists(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # --help (0), or a bad argument: argparse named it (2)
@@ -207,15 +215,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     schemes = _names("lie,strang") if args.schemes is None else args.schemes
     steps = _steps("4,8,16,32,64") if args.steps is None else args.steps
+    from ._convergence import convergence_study, format_table, plot_format, plot_study
+
     for path, option in ((args.json_path, "--json"), (args.plot, "--plot")):
         problem = None if path is None else output_problem(path, option)
+        if problem is None and option == "--plot" and path is not None:
+            try:
+                plot_format(path)
+            except ValueError as err:
+                problem = f"--plot {err}"
         if problem is not None:
             return fail(_PROGRAM, 2, f"{problem} (checked before computing; nothing was computed)")
 
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    from ._convergence import convergence_study, format_table, plot_study
 
     try:
         result = convergence_study(

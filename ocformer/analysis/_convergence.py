@@ -7,7 +7,9 @@ Transformer with smooth (``Basis``) controls, so that the continuous limit is a 
 non-autonomous ODE and the asymptotic regime is reached at a few steps per layer.
 """
 
+import io
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +21,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .._counts import whole_number
+from ..checkpointing import atomic_write_bytes
 from ..controls._init import init_stacked_params
 from ..controls._make import make_control
 from ..integration import Discretisation
@@ -252,17 +255,27 @@ def convergence_study(
     given = list(np.asarray(steps).tolist() if hasattr(steps, "shape") else steps)
     if any(whole_number(m) is None for m in given):
         raise ValueError(f"Step counts must be whole numbers >= 1, got {given}.")  # not truncated
-    if (whole_number(reference_factor) or 0) < 1:
-        raise ValueError(f"reference_factor must be a whole number >= 1, got {reference_factor!r}.")
+    if (whole_number(reference_factor) or 0) < 2:
+        # At 1 the finest column would be the reference itself: an error of 0.
+        raise ValueError(f"reference_factor must be a whole number >= 2, got {reference_factor!r}.")
     steps = sorted(int(m) for m in given)
     if steps and steps[0] < 1:
         raise ValueError(f"Step counts must be >= 1, got {steps}.")
     if not eps_study and len(set(steps)) < 2:
         raise ValueError(f"A slope needs at least two distinct step counts, got {steps}.")
+    if eps_study and len(set(epsilons)) < 2:
+        raise ValueError(
+            f"A slope in epsilon needs at least two distinct epsilons, got {list(epsilons)}."
+        )
+    if eps_study and not all(math.isfinite(e) and e > 0 for e in epsilons):
+        raise ValueError(f"Epsilons must be finite and > 0, got {list(epsilons)}.")
     if len(set(steps)) < len(steps) or len(set(epsilons)) < len(epsilons):
         raise ValueError(f"A step count or epsilon is given twice: {steps}, {list(epsilons)}.")
     if model is None:
         model = study_model(formulation, seed)
+    if not eps_study:
+        for name, stepper in steppers.items():
+            _check_fits(name, stepper, model, steps[0])  # before the reference is solved
     u0 = study_input(model, seed)
     t0, t1 = model.control.interval
     length = (t1 - t0) / model.num_layers
@@ -317,6 +330,26 @@ def convergence_study(
     return out
 
 
+def _check_fits(name: str, stepper, model, steps_per_layer: int) -> None:
+    """Refuse a splitting scheme whose sequence or groups do not fit the study's
+    equation (``strang(0,0,1)`` on the two terms of pre-LN, say): bad input, not a
+    cell that failed. A pair the rules refuse is the cell's own ``refused``.
+
+    Raises:
+        ValueError: naming the scheme and the equation's terms.
+    """
+    if not isinstance(stepper, AbstractSplittingSolver):
+        return
+    try:
+        reformulate(model, discretisation=Discretisation(stepper, steps_per_layer=steps_per_layer))
+    except IncompatibleError:
+        return
+    except ValueError as e:
+        raise ValueError(
+            f"scheme {name!r} does not fit the terms of the {model.formulation} formulation: {e}"
+        ) from None
+
+
 def _relaxation_study(model, u0, u_ref, epsilons, solver: str, steps_per_layer: int) -> dict:
     """The relaxed model's error against the projected-dynamics reference ``u_ref`` for
     each epsilon, and its fitted slope in epsilon."""
@@ -351,7 +384,7 @@ def _scheme_study(
     others; with fewer than two left the column is ``{"status": "refused" | "failed",
     "reason": ...}`` (the study goes on with the other schemes)."""
     splitting = isinstance(stepper, AbstractSplittingSolver)
-    sub_solver = stepper.sub_solver if splitting else "euler"
+    sub_solver = stepper.sub_solver if splitting else None  # a diffrax solver has none
     computed, errors, dts, skipped = [], [], [], []
     expected = None
     for m in steps:
@@ -394,7 +427,7 @@ def _scheme_study(
         entry["skipped"] = skipped
     if relaxation_eps is not None:
         entry["dt_over_eps"] = [dt / relaxation_eps for dt in dts]
-    if sub_solver != "euler":
+    if sub_solver not in (None, "euler"):
         why = (
             "since Euler sub-steps would make a second-order splitting first order"
             if expected is not None and expected >= 2
@@ -474,18 +507,45 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_format(path: str) -> str:
+    """The image format of a plot written to ``path``: its extension, one matplotlib
+    writes (png, pdf, svg, ...).
+
+    Raises:
+        ValueError: no extension, or one matplotlib does not write.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(path)[1][1:].lower()
+    if ext not in formats:
+        what = f"its extension .{ext}" if ext else "it has no extension, which"
+        raise ValueError(
+            f"{path}: {what} names no image format matplotlib writes; end the name in "
+            ".png, .pdf or .svg (matplotlib also writes "
+            f"{', '.join(f'.{f}' for f in sorted(set(formats) - {'png', 'pdf', 'svg'}))})"
+        )
+    return ext
+
+
 def plot_study(result: dict, path: str | None = None, ax=None):
     """A log-log plot of error against step size (or epsilon), with the fitted slopes.
 
     Args:
         result: a ``convergence_study`` result.
-        path: also save the figure here (PNG).
+        path: also save the figure here, whole or not at all, in the format of its
+            extension (``plot_format``: .png, .pdf, .svg, ...).
         ax: draw on these matplotlib axes (default: a new figure).
 
     Returns:
         The matplotlib figure.
+
+    Raises:
+        ValueError: ``path`` names no format matplotlib writes (nothing is drawn).
     """
     import matplotlib.pyplot as plt
+
+    image = None if path is None else plot_format(path)
 
     if ax is None:
         fig, ax = plt.subplots(figsize=(5, 4))
@@ -515,5 +575,7 @@ def plot_study(result: dict, path: str | None = None, ax=None):
     ax.grid(True, which="both", alpha=0.3)
     if path is not None:
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=image, dpi=120)
+        atomic_write_bytes(path, buffer.getvalue())
     return fig

@@ -1,6 +1,7 @@
 """Checkpoints: orbax saves committed by an atomically written marker."""
 
 from ._atomic import (
+    atomic_write_bytes as atomic_write_bytes,
     atomic_write_text as atomic_write_text,
     output_problem as output_problem,
     remove_stale_temporaries as remove_stale_temporaries,

@@ -29,11 +29,16 @@ def atomic_write_text(path: str, text: str) -> None:
     ``<path>.tmp-<pid>``) is removed when the write fails; one a killed process left is
     removed by ``remove_stale_temporaries`` on the next start.
     """
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """``atomic_write_text`` of bytes (a figure's file, say)."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
