@@ -93,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
-        "--quick", action="store_true", help="every key, sized for < 2 minutes on 2 idle cores"
+        "--quick",
+        action="store_true",
+        help="every key, sized for about 2.5 minutes on 2 idle cores",
     )
     mode.add_argument("--tiny", action="store_true", help="tiny sizes: checks the code paths")
     parser.add_argument(

@@ -185,9 +185,10 @@ class ConfigChanged(WorkdirError):
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
         if DATASET_CHANGE in changes:
             listed += (
-                " (the dataset directory at task.path was prepared again since the run "
-                "started: SHA-256 prefixes of its files then and now; put back the one "
-                "the run trained on)"
+                " (the dataset directory at task.path holds other files than the run "
+                "trained on: prepared again since the run started, or another dataset; "
+                "SHA-256 prefixes of its files then and now; put back the one the run "
+                "trained on)"
             )
         super().__init__(
             f"work directory {workdir} holds a run of another configuration; changed "
