@@ -209,6 +209,10 @@ def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path, monkeypatch)
     assert e.value.exit_code == ExitCode.NON_FINITE
     assert e.value.step == 3 and e.value.source == "loss"
     assert "non-finite loss at training step 3" in str(e.value)
+    assert "EQX_ON_ERROR" not in str(e.value)
+    # Under EQX_ON_ERROR=nan a failed solve is a NaN loss: the message says so.
+    monkeypatch.setenv("EQX_ON_ERROR", "nan")
+    assert "a failed solve is NaN too: run without it" in str(NonFiniteError(3, "loss"))
     step_2 = str(tmp_path / "lib" / "checkpoints" / "step_2")
     assert e.value.checkpoint == step_2
     assert f"The last checkpoint, {step_2}, is finite and is the resume point" in str(e.value)

@@ -1,6 +1,7 @@
 """Named outcomes of a training run and the exit codes of the command line."""
 
 import enum
+import os
 
 from ..distributed import PEER_LOST
 from ..integration import ADAPTIVE_STEPS_PER_LAYER
@@ -137,11 +138,18 @@ class NonFiniteError(TrainingError):
             where = "No checkpoint has been written yet: a re-run starts from step 0."
         else:
             where = f"The last checkpoint, {checkpoint}, is finite and is the resume point."
+        # Under EQX_ON_ERROR=nan a failed solve is a NaN loss, not a SolverFailure.
+        solve = (
+            " With EQX_ON_ERROR=nan (set in this process) a failed solve is NaN too: run "
+            "without it to see whether the solver failed, and why."
+            if os.environ.get("EQX_ON_ERROR") == "nan"
+            else ""
+        )
         super().__init__(
             step,
             f"non-finite {source} at training step {step} (NaN or Inf); aborting. {where} "
             "Lower optimiser.learning_rate, enable optimiser.clip_norm, or set "
-            "train.on_nonfinite=skip to skip such updates.",
+            f"train.on_nonfinite=skip to skip such updates.{solve}",
         )
 
 
