@@ -551,7 +551,9 @@ def test_evaluate_reports_the_step_it_loaded(experiment, tmp_path, monkeypatch):
     _train(experiment, run, "train.steps=1")
     loaded = []
     restore = _load_run.restore_run
-    monkeypatch.setattr(_load_run, "restore_run", lambda *a: loaded.append(1) or restore(*a))
+    monkeypatch.setattr(
+        _load_run, "restore_run", lambda *a, **k: loaded.append(1) or restore(*a, **k)
+    )
     latest = CheckpointManager.latest
     # After the load, the directory's newest checkpoint is a later one.
     monkeypatch.setattr(CheckpointManager, "latest", lambda self: latest(self) + len(loaded))

@@ -259,6 +259,44 @@ def test_a_run_trains_by_msa_and_resumes_from_its_checkpoint(tmp_path, capsys):
     assert records[0]["hamiltonian_after"] > records[0]["hamiltonian"]
 
 
+@pytest.mark.slow  # 28 s on the idle 2-core machine
+def test_an_explicit_runge_kutta_stepper_trains_and_an_implicit_one_is_refused():
+    """The penalty differentiates the layer map twice: diffrax's Runge-Kutta stages
+    (a checkpointed loop) ended the first iteration in a JAX traceback; they run as a
+    bounded loop, and rho = 0 is again exactly a gradient step (Heun, float64). An
+    implicit stepper (Newton's implicit derivative, taken once) is refused, naming
+    the field."""
+    import os
+
+    import diffrax
+
+    from ocformer.config import ConfigError, resolve
+    from ocformer.models import rediscretise
+
+    eta = 0.3
+    model = rediscretise(small_model(), stepper=diffrax.Heun())
+    batch, objective, constraints = small_batch(), Objective(), Constraints()
+    method = MSA(optax.sgd(eta), inner_steps=1, rho=0.0)
+    new, _, metrics = eqx.filter_jit(msa_iteration)(
+        method, objective, constraints, model, method.init(), batch
+    )
+    loss, grads = eqx.filter_value_and_grad(lambda m: objective(m, batch)[0])(model)
+    expected = constraints.project(
+        eqx.apply_updates(model, jax.tree.map(lambda g: -eta * g, grads))
+    )
+    assert abs(float(metrics["loss"]) - float(loss)) < 1e-12
+    assert _max_diff(new, expected) < 1e-10 and _max_diff(new, model) > 1e-3
+    penalised = MSA(optax.sgd(eta), inner_steps=2, rho=1.0)
+    _, _, metrics = eqx.filter_jit(msa_iteration)(
+        penalised, objective, constraints, model, penalised.init(), batch
+    )
+    assert np.isfinite(float(metrics["loss_after"]))
+    smoke = os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments", "smoke.py")
+    sets = ["train.method=msa", "discretisation.stepper=kvaerno3"]
+    with pytest.raises(ConfigError, match="discretisation.stepper: train.method=msa penalises"):
+        resolve(smoke, [*sets, "discretisation.steps_per_layer=4"])
+
+
 def test_a_depth_parallel_model_is_refused():
     """The sweep runs the layer maps serially; a depth-parallel model's objective is the
     approximation's, so the two would disagree (rho was adapted on a spurious change of

@@ -34,9 +34,11 @@ paper, where the Hamiltonian is the sample mean of per-sample ones. With $\rho =
 is the basic MSA.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -370,6 +372,17 @@ def msa_refusals(
                 "train.method=gradient",
             )
         )
+    if choices.stepper_kind in ("implicit", "imex"):
+        found.append(
+            Refusal(
+                "discretisation.stepper",
+                f"train.method=msa penalises the gradient of each layer's Hamiltonian, so "
+                f"it differentiates the layer map twice; {choices.stepper!r} solves its "
+                "stage equations by Newton's method, whose implicit derivative is taken "
+                "once only. Use an explicit stepper (a splitting scheme, or euler, heun, "
+                "tsit5, ...), or train.method=gradient",
+            )
+        )
     if choices.gradient == "optimise_then_discretise":
         found.append(
             Refusal(
@@ -444,12 +457,18 @@ def _layer_map(transformer: ContinuousTransformer, key_mask):
     length = (t1 - t0) / transformer.num_layers
     discretisation = transformer.discretisation.replace(gradient=StoredResiduals())
 
+    stepper = transformer.time_stepper()
+    if isinstance(stepper, diffrax.AbstractRungeKutta):
+        # Its stages in a bounded loop (nested scans): diffrax's default checkpointed
+        # loop over them differentiates once in reverse mode, not twice.
+        stepper = dataclasses.replace(stepper, scan_kind="bounded")
+
     def layer(u, theta):
         values = jtu.tree_map(lambda x: x[None], theta)
         control = PiecewiseConstant(values, 0.0, length)
         one = eqx.tree_at(lambda m: m.control, transformer, control)
         one = eqx.tree_at(lambda m: m.discretisation, one, discretisation)
-        sol = solve(one.terms(), one.time_stepper(), control, u, discretisation, key_mask=key_mask)
+        sol = solve(one.terms(), stepper, control, u, discretisation, key_mask=key_mask)
         assert sol.ys is not None
         return sol.ys[-1]
 
