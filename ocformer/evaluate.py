@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         return fail(_PROGRAM, e.exit_code, f"{type(e).__name__}: {e}")
     changed = ", ".join(args.overrides) or ("as configured" if args.config else "as trained")
+    if (k := result.get("depth_fallback_iterations")) is not None:
+        changed += f"; {'serial' if k == 0 else f'{k} iterations'} since its depth fallback"
     acc = result.get("val_accuracy")
     print(
         f"ocformer: evaluated {what} ({changed}): "

@@ -116,6 +116,17 @@ def test_fallback_fires_and_the_run_continues_as_a_serial_run_from_that_state(tm
     assert _records(a)[6]["loss"] == pytest.approx(_records(b)[6]["loss"], rel=1e-12)
     config, _, step = load_run_at(a)  # validates config.json and the checkpoint's own
     assert step == 6 and config.discretisation == fallback.discretisation
+    # Evaluated as trained: under the serial solve the rule left (the configured
+    # parareal gave another loss than the run's own), unless the solve is given.
+    from ocformer.evaluation import evaluate_run
+
+    as_trained = evaluate_run(a)
+    assert as_trained["depth_fallback_iterations"] == 0
+    assert as_trained["discretisation"]["discretisation.depth_parallel"] is None
+    assert as_trained["val_loss"] == pytest.approx(_records(a)[6]["val_loss"], rel=1e-12)
+    configured = evaluate_run(a, ["discretisation.depth_parallel=parareal"])
+    assert configured["depth_fallback_iterations"] is None
+    assert configured["val_loss"] != pytest.approx(as_trained["val_loss"], rel=1e-12)
 
 
 def test_raise_iterations_goes_serial_once_doubling_k_would_be_exact():
@@ -133,10 +144,43 @@ def test_raise_iterations_goes_serial_once_doubling_k_would_be_exact():
     assert model.transformer.discretisation.depth_parallel is None and not rule.parallel
 
 
+def test_after_a_fallback_the_new_solve_is_compared_with_itself(tmp_path):
+    """The best validation loss starts again with the new solve (a higher loss of the
+    new solve at the same parameters counted as a stall, and fired again), live and
+    when a resumed run replays its log; ``fallback_iterations`` reads the solve a run
+    had at a step from that log."""
+    from ocformer.training import fallback_iterations
+
+    config = resolve(SMOKE64, [*PARAREAL, "model.num_layers=4", "discretisation.chunks=4",
+                               "train.depth_fallback=raise_iterations",
+                               "train.depth_fallback_patience=1"])  # fmt: skip
+    model = build(config).model
+    rule = DepthFallback(config.train, model)
+    assert rule.after_evaluation(2.0) is None
+    assert rule.after_evaluation(2.1) is not None
+    rule.fire(model)  # K = 1 -> 2
+    assert rule.iterations == 2 and rule.after_evaluation(2.2) is None  # its first
+    assert (rule.best, rule.stalled) == (2.2, 0)
+    log = tmp_path / "metrics.jsonl"
+    fell = "depth_fallback_iterations"
+    records = [{"step": 2, "val_loss": 2.0}, {"step": 4, "val_loss": 2.1, fell: 2},
+               {"step": 6, "val_loss": 2.2}, {"step": 8, "val_loss": 2.1, fell: 0}]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    replayed = DepthFallback(config.train, model)
+    replayed.replay(records, 6)
+    assert (replayed.iterations, replayed.best, replayed.stalled) == (2, 2.2, 0)
+    assert [fallback_iterations(str(tmp_path), s) for s in (2, 4, 7, 8)] == [None, 2, 2, 0]
+
+
 BAD = [
     (["train.depth_bias_every=5"], "train.depth_bias_every", "depth_parallel is none"),
     (["train.depth_fallback=serial", "train.depth_fallback_patience=2"], "train.depth_fallback",
      "discretisation.depth_parallel is none"),
+    # A condition alone was accepted, and did nothing.
+    (["train.depth_fallback_patience=3"], "train.depth_fallback_patience",
+     "discretisation.depth_parallel is none"),
+    (["train.depth_fallback_cosine=0.9"], "train.depth_fallback_cosine",
+     "or train.depth_fallback_cosine=none"),
     ([*PARAREAL, "train.depth_fallback=serial"], "train.depth_fallback", "no condition to fire"),
     ([*PARAREAL, "train.depth_fallback_cosine=0.9"], "train.depth_fallback_cosine",
      "train.depth_bias_every=0"),

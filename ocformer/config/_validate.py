@@ -525,13 +525,15 @@ def _check_depth_training(c: Config) -> None:
         for name, value, off in (
             ("depth_bias_every", t.depth_bias_every, 0),
             ("depth_fallback", t.depth_fallback, "none"),
+            ("depth_fallback_cosine", t.depth_fallback_cosine, None),
+            ("depth_fallback_patience", t.depth_fallback_patience, 0),
         ):
             if value != off:
                 raise ConfigError(
                     f"train.{name}",
                     f"train.{name}={value} acts on a depth-parallel solve, but "
                     "discretisation.depth_parallel is none; set discretisation.depth_parallel"
-                    f"=parareal (or mgrit), or train.{name}={off}",
+                    f"=parareal (or mgrit), or train.{name}={'none' if off is None else off}",
                 )
         return
     if t.depth_bias_every and t.method == "msa":

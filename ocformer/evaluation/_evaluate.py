@@ -36,6 +36,7 @@ from ..training import (
     build,
     build_discretisation,
     enable_x64_for_run,
+    fallback_iterations,
     load_run_at,
     make_eval_step,
     validation_metrics,
@@ -61,6 +62,7 @@ FOLLOWING_FIELDS: tuple[str, ...] = (
 DISCRETISATION_SECTIONS: tuple[str, ...] = ("discretisation",)
 
 
+DEPTH_SOLVE_FIELD = "discretisation.depth_parallel"
 # The one field outside the discretisation an evaluation takes: where the run's dataset
 # directory is now, when it was moved (it must hold the same files).
 MOVED_FIELD = "task.path"
@@ -325,9 +327,15 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     discretisation does not take is replaced by its default (``evaluation_config``),
     unless ``overrides`` set it.
 
+    Without an override of its depth-parallel solve, a run whose depth fallback
+    (``train.depth_fallback``) fired by the checkpoint's step is evaluated as it then
+    trained: under the serial solve, or the raised iterations.
+
     Returns:
         ``evaluate``'s metrics plus ``workdir``, ``step`` (of the checkpoint),
-        ``overrides`` and ``discretisation`` (every discretisation field used).
+        ``overrides``, ``depth_fallback_iterations`` (the iterations its fallback
+        left, 0 for serial; None when none fired or the overrides set the solve) and
+        ``discretisation`` (every discretisation field used).
 
     Raises:
         ConfigError: an override outside the discretisation, or an invalid one.
@@ -351,6 +359,20 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     task_path = moved[-1].split("=", 1)[1].strip() if moved else None
     enable_x64_for_run(workdir)  # before its model is built, as in ocformer.train
     config, trained, at_step = load_run_at(workdir, step, task_path=task_path or None)
+    # As trained: the solve a depth fallback left (the configured one is the run's start).
+    fell_back = None
+    solve_given = {DEPTH_SOLVE_FIELD, "discretisation.iterations"} & {
+        o.split("=", 1)[0].strip() for o in changes
+    }
+    if config.discretisation.depth_parallel is not None and not solve_given:
+        fell_back = fallback_iterations(workdir, at_step)
+        if fell_back is not None:
+            changes = [
+                *changes,
+                f"{DEPTH_SOLVE_FIELD}=none"
+                if fell_back == 0
+                else f"discretisation.iterations={fell_back}",
+            ]
     new_config = evaluation_config(config, changes)
     # A replace of the discretisation value: the trained arrays are untouched, and the
     # grid-dependent parts are derived from the new value at the next solve.
@@ -360,6 +382,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
         "workdir": workdir,
         "step": at_step,
         "overrides": list(overrides),
+        "depth_fallback_iterations": fell_back,
         "discretisation": discretisation_of(new_config),
         **metrics,
     }

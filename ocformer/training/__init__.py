@@ -8,7 +8,10 @@ from ._build import (
     build_model as build_model,
     build_task as build_task,
 )
-from ._depth_fallback import DepthFallback as DepthFallback
+from ._depth_fallback import (
+    DepthFallback as DepthFallback,
+    fallback_iterations as fallback_iterations,
+)
 from ._errors import (
     ConfigChanged as ConfigChanged,
     ExitCode as ExitCode,

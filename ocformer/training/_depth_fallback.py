@@ -19,12 +19,14 @@ again. Once serial the rule and the bias checks stop: there is no bias left.
 
 import dataclasses
 import math
+import os
 
 import equinox as eqx
 import jax
 
 from ..config import TrainConfig
 from ..models import rediscretise
+from ._metrics import MetricsLog
 
 
 class DepthFallback:
@@ -59,6 +61,7 @@ class DepthFallback:
                     self.stalled += 1
             if "depth_fallback_iterations" in record:
                 self.iterations, self.stalled = int(record["depth_fallback_iterations"]), 0
+                self.best = math.inf
 
     def solve(self, model):
         """``model`` with the solve of the rule's state (the serial one at 0 iterations)."""
@@ -95,11 +98,25 @@ class DepthFallback:
         return None
 
     def fire(self, model):
-        """``model`` with the solve the rule moves to; updates the rule's state."""
-        self.stalled = 0
+        """``model`` with the solve the rule moves to; updates the rule's state. The
+        patience count and the best validation loss start again: the new solve's losses
+        are compared with each other, not with another solve's."""
+        self.stalled, self.best = 0, math.inf
         raise_k = self.action == "raise_iterations" and 2 * self.iterations < self.exact
         self.iterations = 2 * self.iterations if raise_k else 0
         return self.solve(model)
+
+
+def fallback_iterations(workdir: str, step: int) -> int | None:
+    """The iterations K of the depth-parallel solve that the run in ``workdir`` had at
+    ``step`` after the fallbacks its rule fired by then (0: the serial solve), read
+    from its metrics log (``depth_fallback_iterations``); None when none fired: the
+    configured solve."""
+    found = None
+    for record in MetricsLog(os.path.join(workdir, "metrics.jsonl")).read():
+        if record["step"] <= step and "depth_fallback_iterations" in record:
+            found = int(record["depth_fallback_iterations"])
+    return found
 
 
 def carry_state(state, old_model, new_model):
