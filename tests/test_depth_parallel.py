@@ -108,6 +108,30 @@ def test_as_many_iterations_as_chunks_is_the_serial_solve(case, inputs):
     assert float(jnp.max(jnp.abs(short(u0, key_mask) - want_u))) > 1e-10
 
 
+@pytest.mark.slow
+def test_under_pid_steps_the_last_iteration_differs_by_about_the_tolerance(inputs):
+    """With adaptive steps each chunk restarts its step-size controller: at K = N the
+    result is not the serial solve's to rounding, but within a small multiple of the
+    tolerance, and closer at a tighter one (Tsit5, pre-LN, 4 chunks; printed with -s:
+    the numbers of docs/depth_parallel.md)."""
+    u0, key_mask = inputs
+    base = ContinuousTransformer(_control(1.0), norm="pre", num_heads=2, ln_eps=1e-5)
+    gaps = []
+    for rtol in (1e-4, 1e-6, 1e-8):
+        serial = rediscretise(base, stepsize="pid", stepper=diffrax.Tsit5(), rtol=rtol,
+                              atol=rtol * 1e-2)  # fmt: skip
+        par = rediscretise(serial, depth_parallel=Parareal(diffrax.Euler(), iterations=LAYERS))
+        want_u, got_u = serial(u0, key_mask), eqx.filter_jit(par)(u0, key_mask)
+        forward = float(jnp.max(jnp.abs(got_u - want_u)) / jnp.max(jnp.abs(want_u)))
+        want_g = _value_and_grad(serial, u0, key_mask)[1].control
+        got_g = _value_and_grad(par, u0, key_mask)[1].control
+        diff = jax.tree.map(lambda a, b: a - b, got_g, want_g)
+        gaps.append((forward, _max_abs(diff) / _max_abs(want_g)))
+        print(f"rtol {rtol:.0e}: u(T) {forward:.1e}, gradient {gaps[-1][1]:.1e} (relative)")
+    assert all(1e-12 < f < 100 * r for (f, _), r in zip(gaps, (1e-4, 1e-6, 1e-8), strict=True))
+    assert gaps[0][0] > gaps[1][0] > gaps[2][0] and gaps[0][1] > gaps[2][1] > 1e-12
+
+
 def _boundary_errors(serial, iterates, chunks):
     """max_n |U^k_n - u(T_n)| for each k, and the same over the boundaries n <= k."""
     _, ys = serial.trajectory(*iterates["inputs"])
