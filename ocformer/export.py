@@ -78,12 +78,15 @@ def export(
     step: int | None = None,
     *,
     overwrite: bool = False,
+    task_path: str | None = None,
 ) -> str:
     """Write the model of ``workdir`` (its newest checkpoint, or ``step``) to ``to`` as
     a Hugging Face checkpoint directory; returns its path.
 
     Args:
         overwrite: replace ``to`` whole even if it holds files ocformer did not write.
+        task_path: where the run's dataset directory was moved (``load_run``), whose
+            tokenizer the export writes with the checkpoint.
 
     Raises:
         ConfigError: the run is not in the standard discretisation (the fields named),
@@ -96,7 +99,7 @@ def export(
             empty, and ``overwrite`` is off. Nothing is written in any of these cases.
     """
     workdir = os.fspath(workdir)
-    config, model = load_run(workdir, step)
+    config, model = load_run(workdir, step, task_path=task_path)
     differ = nonstandard_fields(config)
     if "model.attention" in differ:
         raise ConfigError(
@@ -248,6 +251,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace --to whole even if it holds files that ocformer did not write",
     )
+    p.add_argument(
+        "--task-path",
+        metavar="DIR",
+        default=None,
+        help="where the run's dataset directory was moved (it must hold the same files)",
+    )
     return p
 
 
@@ -256,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     enable_x64_for_run(args.workdir)  # a float64 run (or start) is rebuilt in float64
     try:
-        path = export(args.workdir, args.to, args.step, overwrite=args.overwrite)
+        path = export(
+            args.workdir, args.to, args.step, overwrite=args.overwrite, task_path=args.task_path
+        )
     except (ConfigError, WorkdirError, CheckpointError, FileExistsError, FileNotFoundError) as e:
         # The library's advice in the command line's words.
         return fail(_PROGRAM, ExitCode.USAGE, str(e).replace("overwrite=True", "--overwrite"))

@@ -562,3 +562,16 @@ def test_a_recorded_run_of_a_combination_refused_since_is_read_by_its_forward_so
         validate(from_dict(stored))
     read = validate(from_dict(as_recorded(stored)))
     assert read.discretisation.gradient == "discretise_then_optimise"
+
+
+def test_a_recorded_serial_run_with_a_fallback_condition_is_read():
+    """A fallback condition without a depth-parallel solve is refused since (it did
+    nothing); a run that recorded one is still read, the condition at its default."""
+    from ocformer.config import as_recorded
+
+    stored = json.loads(json.dumps(to_dict(resolve(SMOKE, []))))
+    stored["train"] |= {"depth_fallback_patience": 3, "depth_fallback_cosine": 0.9}
+    with pytest.raises(ConfigError, match="train.depth_fallback_cosine=0.9 acts on a depth"):
+        validate(from_dict(stored))
+    read = validate(from_dict(as_recorded(stored)))
+    assert (read.train.depth_fallback_patience, read.train.depth_fallback_cosine) == (0, None)

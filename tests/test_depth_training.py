@@ -127,6 +127,11 @@ def test_fallback_fires_and_the_run_continues_as_a_serial_run_from_that_state(tm
     configured = evaluate_run(a, ["discretisation.depth_parallel=parareal"])
     assert configured["depth_fallback_iterations"] is None
     assert configured["val_loss"] != pytest.approx(as_trained["val_loss"], rel=1e-12)
+    # A field of the depth-parallel solve chooses it too (it was refused: the serial
+    # solve the fallback left does not take it).
+    coarse = evaluate_run(a, ["discretisation.coarse_steps=2"])
+    assert coarse["depth_fallback_iterations"] is None
+    assert coarse["discretisation"]["discretisation.depth_parallel"] == "parareal"
 
 
 def test_raise_iterations_goes_serial_once_doubling_k_would_be_exact():

@@ -657,7 +657,7 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
         code, err = main(args), capsys.readouterr().err
         assert code == ExitCode.USAGE and gone in err and put_back in err, err
         assert "Traceback" not in err and "Prepare a dataset" not in err
-        assert "give its new place with --set task.path=DIR" in err
+        assert "give its new place: --set task.path=DIR to resume or evaluate" in err
     # Its new place, holding the same files: evaluate takes it (the same numbers), and
     # so does a resume, without --allow-config-change; the run's readers then find it.
     moved = tmp_path / "moved"
@@ -666,6 +666,20 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
                  f"task.path={moved}", "--set", "discretisation.steps_per_layer=1"]):  # fmt: skip
         assert evaluate_cli.main([*args, "--json", str(tmp_path / "after.json")]) == ExitCode.OK
         assert json.loads((tmp_path / "after.json").read_text())["val_loss"] == val_loss
+    # The export reads it too (this run's untied readout is then what it refuses).
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf"), "--task-path",
+                            str(moved)]) == ExitCode.USAGE  # fmt: skip
+    err = capsys.readouterr().err
+    assert "model.readout" in err and "holds no dataset" not in err
+    # A task.path without a directory is bad input (it was an IndexError traceback).
+    capsys.readouterr()
+    for bad, said in (("task.path", "bad --set syntax 'task.path'"),
+                      ("task.path=none", "'task.path=none' names no directory")):  # fmt: skip
+        assert evaluate_cli.main([str(run), "--set", bad]) == 2
+        assert said in capsys.readouterr().err
+    # Step 1 was written on the first data: the moved files are not what its path held.
+    assert evaluate_cli.main([str(run), "--set", f"task.path={moved}", "--step", "1"]) == 2
+    assert f"{data}" in capsys.readouterr().err
     other = tmp_path / "other"
     prepare_text([str(root / "a.txt")], "char", other, progress=False)
     capsys.readouterr()

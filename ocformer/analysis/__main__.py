@@ -254,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
                 _PROGRAM, 1, f"--json {args.json_path}: the table (above) could not be written: {e}"
             )
     if args.plot:
-        plot_study(result, args.plot)
+        import matplotlib.pyplot as plt
+
+        try:
+            plt.close(plot_study(result, args.plot))
+        except (OSError, RuntimeError, ValueError) as e:  # a disk that filled since, say
+            plt.close("all")
+            return fail(_PROGRAM, 1, f"--plot {args.plot}: the plot could not be written: {e}")
     return 0
 
 

@@ -255,9 +255,13 @@ def convergence_study(
     given = list(np.asarray(steps).tolist() if hasattr(steps, "shape") else steps)
     if any(whole_number(m) is None for m in given):
         raise ValueError(f"Step counts must be whole numbers >= 1, got {given}.")  # not truncated
-    if (whole_number(reference_factor) or 0) < 2:
-        # At 1 the finest column would be the reference itself: an error of 0.
-        raise ValueError(f"reference_factor must be a whole number >= 2, got {reference_factor!r}.")
+    if (whole_number(reference_factor) or 0) < 1:
+        raise ValueError(f"reference_factor must be a whole number >= 1, got {reference_factor!r}.")
+    if reference_factor == 1 and not eps_study and REFERENCE_SOLVER in schemes:
+        raise ValueError(
+            f"reference_factor=1 makes the {REFERENCE_SOLVER} column's finest solve the "
+            "reference itself (an error of 0); give reference_factor >= 2"
+        )
     steps = sorted(int(m) for m in given)
     if steps and steps[0] < 1:
         raise ValueError(f"Step counts must be >= 1, got {steps}.")
@@ -275,7 +279,7 @@ def convergence_study(
         model = study_model(formulation, seed)
     if not eps_study:
         for name, stepper in steppers.items():
-            _check_fits(name, stepper, model, steps[0])  # before the reference is solved
+            _check_fits(name, stepper, model, steps[0], formulation)  # before any solve
     u0 = study_input(model, seed)
     t0, t1 = model.control.interval
     length = (t1 - t0) / model.num_layers
@@ -330,7 +334,7 @@ def convergence_study(
     return out
 
 
-def _check_fits(name: str, stepper, model, steps_per_layer: int) -> None:
+def _check_fits(name: str, stepper, model, steps_per_layer: int, formulation: str) -> None:
     """Refuse a splitting scheme whose sequence or groups do not fit the study's
     equation (``strang(0,0,1)`` on the two terms of pre-LN, say): bad input, not a
     cell that failed. A pair the rules refuse is the cell's own ``refused``.
@@ -346,7 +350,7 @@ def _check_fits(name: str, stepper, model, steps_per_layer: int) -> None:
         return
     except ValueError as e:
         raise ValueError(
-            f"scheme {name!r} does not fit the terms of the {model.formulation} formulation: {e}"
+            f"scheme {name!r} does not fit the terms of the {formulation} formulation: {e}"
         ) from None
 
 
@@ -507,6 +511,10 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# The image formats matplotlib writes by itself (pgf needs LaTeX, avif a Pillow plugin).
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp")
+
+
 def plot_format(path: str) -> str:
     """The image format of a plot written to ``path``: its extension, one matplotlib
     writes (png, pdf, svg, ...).
@@ -514,15 +522,13 @@ def plot_format(path: str) -> str:
     Raises:
         ValueError: no extension, or one matplotlib does not write.
     """
-    from matplotlib.backend_bases import FigureCanvasBase
-
-    formats = FigureCanvasBase.get_supported_filetypes()
+    formats = PLOT_FORMATS
     ext = os.path.splitext(path)[1][1:].lower()
     if ext not in formats:
         what = f"its extension .{ext}" if ext else "it has no extension, which"
         raise ValueError(
-            f"{path}: {what} names no image format matplotlib writes; end the name in "
-            ".png, .pdf or .svg (matplotlib also writes "
+            f"{path}: {what} names no image format the plot is written in; end the "
+            "name in .png, .pdf or .svg (or "
             f"{', '.join(f'.{f}' for f in sorted(set(formats) - {'png', 'pdf', 'svg'}))})"
         )
     return ext

@@ -10,9 +10,6 @@ of ``ContinuousTransformer.trajectory`` to rounding (``tests/test_analysis.py`` 
 1e-12).
 """
 
-import dataclasses
-
-import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -23,7 +20,7 @@ from ..dynamics import AbstractSplitTerm, DynamicsArgs, project_onto_set
 from ..integration import bind_solver, grid_points, jump_flags, time_grid
 from ..models import ContinuousTransformer
 from ..operators import wide_dtype
-from ..splitting import AbstractSplittingSolver, Lie, Strang, inner_solver, with_inner_solver
+from ..splitting import AbstractSplittingSolver, Lie, Strang, inner_solver, with_bounded_stages
 
 
 class ShiftedControl(AbstractControl):
@@ -156,7 +153,8 @@ class StepMap(eqx.Module):
         the gradient density)."""
         model = self.transformer
         terms = model.terms()
-        stepper = bind_solver(_forward_differentiable(model.time_stepper()), terms)
+        # Forward mode (the Lyapunov exponents) and reverse mode (the costates).
+        stepper = bind_solver(with_bounded_stages(model.time_stepper()), terms)
         args = DynamicsArgs(
             control=model.control if control is None else control, key_mask=self.key_mask
         )
@@ -201,17 +199,6 @@ class StepMap(eqx.Module):
         if calls.n != deltas.shape[0]:
             raise AssertionError(f"{calls.n} sub-flows traced, {deltas.shape[0]} expected.")
         return y1
-
-
-def _forward_differentiable(stepper):
-    """The same solver with its stages in a bounded loop: diffrax's default checkpointed
-    stage loop has no forward-mode derivative (the Lyapunov exponents need one) and a
-    plain ``lax.while_loop`` no reverse-mode one (the costates need that); the bounded
-    loop has both, and the numbers are the same."""
-    inner = inner_solver(stepper)
-    if isinstance(inner, diffrax.AbstractRungeKutta):
-        return with_inner_solver(stepper, dataclasses.replace(inner, scan_kind="bounded"))
-    return stepper
 
 
 @eqx.filter_jit

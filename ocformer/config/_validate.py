@@ -22,7 +22,7 @@ from ..objective import msa_refusals, ternary_refusals
 from ..splitting import SCHEMES, SOLVERS
 from ..tasks import TASKS
 from ._explicit import is_set
-from ._schema import SECTIONS, Config, DiscretisationConfig, TaskConfig
+from ._schema import SECTIONS, Config, DiscretisationConfig, TaskConfig, TrainConfig
 
 
 class ConfigError(ValueError):
@@ -572,7 +572,8 @@ def as_recorded(data: dict) -> dict:
     """A configuration recorded by a run (``config.json``, a checkpoint's marker), read
     with the meaning it had when that run trained: a field that version accepted and
     ignored, and that this version refuses instead, is set back to its default.
-    Those are the depth-parallel fields (``ocformer.models.DEPTH_PARALLEL_ONLY``)
+    Those are the depth-parallel fields (``ocformer.models.DEPTH_PARALLEL_ONLY``), and
+    the depth fallback's conditions (``train.depth_fallback_cosine``, ``_patience``),
     under ``discretisation.depth_parallel`` none: the serial solve never read them; the
     options of other tasks than the run's (``task.vocab_size`` under ``tokens``); and
     ``optimise_then_discretise`` on the relaxed formulation, read as the default
@@ -603,7 +604,13 @@ def as_recorded(data: dict) -> dict:
         return data
     defaults = {f.name: f.default for f in dataclasses.fields(DiscretisationConfig)}
     reset = {k: defaults[k] for k in DEPTH_PARALLEL_ONLY if k in disc and k in defaults}
-    return {**data, "discretisation": {**disc, **reset}}
+    data = {**data, "discretisation": {**disc, **reset}}
+    train = data.get("train")
+    if isinstance(train, dict):  # the fallback's conditions, which the serial solve ignored
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+        unread = ("depth_fallback_cosine", "depth_fallback_patience")
+        data = {**data, "train": {**train, **{k: defaults[k] for k in unread if k in train}}}
+    return data
 
 
 def from_dict(data: dict) -> Config:

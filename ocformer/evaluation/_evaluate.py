@@ -24,6 +24,7 @@ from ..config import (
     ConfigError,
     apply_overrides,
     check_keys,
+    parse_override,
     to_dict,
     validate,
 )
@@ -356,14 +357,22 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     changes = [o for o in overrides if o not in moved]
     for text in changes:
         check_discretisation_field(text.split("=", 1)[0].strip())
-    task_path = moved[-1].split("=", 1)[1].strip() if moved else None
+    task_path = None
+    for text in moved:
+        task_path = parse_override(text)[1]
+        if not task_path:  # none, or an empty path
+            raise ConfigError(
+                MOVED_FIELD,
+                f"{text!r} names no directory; give where the run's dataset was moved: "
+                f"--set {MOVED_FIELD}=DIR",
+            )
     enable_x64_for_run(workdir)  # before its model is built, as in ocformer.train
-    config, trained, at_step = load_run_at(workdir, step, task_path=task_path or None)
-    # As trained: the solve a depth fallback left (the configured one is the run's start).
+    config, trained, at_step = load_run_at(workdir, step, task_path=task_path)
+    # As trained: the solve a depth fallback left (the configured one is the run's
+    # start), unless the overrides choose the depth-parallel solve or one of its fields.
     fell_back = None
-    solve_given = {DEPTH_SOLVE_FIELD, "discretisation.iterations"} & {
-        o.split("=", 1)[0].strip() for o in changes
-    }
+    solve_fields = {DEPTH_SOLVE_FIELD, *FOLLOWING_FIELDS} - {GRADIENT_FIELD}
+    solve_given = solve_fields & {o.split("=", 1)[0].strip() for o in changes}
     if config.discretisation.depth_parallel is not None and not solve_given:
         fell_back = fallback_iterations(workdir, at_step)
         if fell_back is not None:

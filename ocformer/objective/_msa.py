@@ -34,11 +34,9 @@ paper, where the Hamiltonian is the sample mean of per-sample ones. With $\rho =
 is the basic MSA.
 """
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -49,6 +47,7 @@ from jaxtyping import Array, Float
 from ..controls import PiecewiseConstant
 from ..integration import StoredResiduals, solve
 from ..models import Choices, ContinuousTransformer, IncompatibleError, Refusal, SequenceModel
+from ..splitting import with_bounded_stages
 from ._constraints import Constraints
 from ._objective import Objective, cross_entropy
 from ._running import control_size
@@ -457,11 +456,7 @@ def _layer_map(transformer: ContinuousTransformer, key_mask):
     length = (t1 - t0) / transformer.num_layers
     discretisation = transformer.discretisation.replace(gradient=StoredResiduals())
 
-    stepper = transformer.time_stepper()
-    if isinstance(stepper, diffrax.AbstractRungeKutta):
-        # Its stages in a bounded loop (nested scans): diffrax's default checkpointed
-        # loop over them differentiates once in reverse mode, not twice.
-        stepper = dataclasses.replace(stepper, scan_kind="bounded")
+    stepper = with_bounded_stages(transformer.time_stepper())  # differentiable twice
 
     def layer(u, theta):
         values = jtu.tree_map(lambda x: x[None], theta)

@@ -5,6 +5,7 @@ from ._base import AbstractSplittingSolver as AbstractSplittingSolver, Lie as Li
 from ._projected import (
     ProjectedSolver as ProjectedSolver,
     inner_solver as inner_solver,
+    with_bounded_stages as with_bounded_stages,
     with_inner_solver as with_inner_solver,
 )
 from ._schemes import (

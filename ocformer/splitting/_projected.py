@@ -1,5 +1,6 @@
 """A time stepper for projected dynamics: any one-step solver, then the projection."""
 
+import dataclasses
 from typing import ClassVar
 
 import diffrax
@@ -68,3 +69,15 @@ def with_inner_solver(
     """``stepper`` with ``solver`` in place of its ``inner_solver``: wrapped in the
     projection if ``stepper`` is a ``ProjectedSolver``, ``solver`` itself otherwise."""
     return ProjectedSolver(solver) if isinstance(stepper, ProjectedSolver) else solver
+
+
+def with_bounded_stages(stepper: diffrax.AbstractSolver) -> diffrax.AbstractSolver:
+    """``stepper`` with a Runge-Kutta inner solver's stages in a bounded loop (nested
+    scans): diffrax's default checkpointed stage loop differentiates once in reverse
+    mode and not in forward mode, a plain ``lax.while_loop`` not in reverse mode; the
+    bounded loop differentiates both ways, to any order, and the numbers are the same.
+    Any other stepper is returned as it is."""
+    inner = inner_solver(stepper)
+    if isinstance(inner, diffrax.AbstractRungeKutta):
+        return with_inner_solver(stepper, dataclasses.replace(inner, scan_kind="bounded"))
+    return stepper

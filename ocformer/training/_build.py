@@ -43,7 +43,14 @@ from ..tasks import TASKS, AbstractTextTask, dataset_identity, make_task
 from . import _init_from
 from ._errors import WorkdirError
 from ._optimiser import make_optimiser, under_standard_promotion
-from ._rundir import RELATIVE_PATHS, RUN_MARKER, dataset_change, dataset_missing, run_record
+from ._rundir import (
+    RELATIVE_PATHS,
+    RUN_MARKER,
+    dataset_change,
+    dataset_missing,
+    run_record,
+    wrote_with_current_dataset,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +329,17 @@ def restore_run(
         ) from None
     config = _anchored(config, path)
     if task_path is not None:
+        if config.task.name != "tokens":
+            raise ConfigError(
+                "task.path",
+                f"{path} was trained on task {config.task.name!r}, which reads no dataset "
+                "directory: drop task.path",
+            )
+        if not isinstance(run_record(path, "dataset"), dict):
+            raise WorkdirError(
+                f"{path}/run.json records no dataset files (SHA-256), so a moved dataset "
+                f"cannot be checked against them: put the dataset back at {config.task.path}"
+            )
         config = _reading(config, os.path.abspath(os.path.expanduser(task_path)))
     if (changed := dataset_change(path, config)) is not None:
         again = "it was prepared again since" if task_path is None else "it is another dataset"
@@ -348,6 +366,8 @@ def restore_run(
                 or trained.task.path is None
                 or dataset_identity(trained.task.path) is None
             )
+            # the files its path held then are those checked above
+            and wrote_with_current_dataset(path, chosen)
         ):
             trained = _reading(trained, config.task.path)  # the dataset moved
         if built.get("config") != trained:

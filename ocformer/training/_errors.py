@@ -116,8 +116,8 @@ class NonFiniteEvaluation(TrainingError):
             why = (
                 "the trained model diverges under this discretisation (try more "
                 "discretisation.steps_per_layer or another stepper), or its parameters "
-                "give a non-finite loss under any (a run that diverged in training: its "
-                "metrics.jsonl shows the validation loss it logged)"
+                "give a non-finite loss under any (a start that diverges, or a run that "
+                "diverged in training, whose metrics.jsonl shows the losses it logged)"
             )
         super().__init__(0, f"the validation loss is not finite (NaN or Inf): {why}.")
 

@@ -102,6 +102,24 @@ def dataset_moved(workdir: str, config: Config) -> bool:
     return all(recorded.get(k) == v for k, v in current.items() if k.endswith("_sha256"))
 
 
+def wrote_with_current_dataset(workdir: str, step: int) -> bool:
+    """Whether the start of the run in ``workdir`` that wrote checkpoint ``step`` (the
+    newest start resumed from an earlier step) read the dataset files that ``run.json``
+    records now (the same SHA-256, wherever they were): the files its recorded
+    ``task.path`` held. False when a record is missing or unreadable."""
+    try:
+        with open(os.path.join(workdir, "run.json"), encoding="utf-8") as f:
+            info = json.load(f)
+        current = info["dataset"]
+        starts = [info, *info.get("earlier_starts", [])]  # the newest first
+        writer = next(s for s in starts if (s.get("resumed_from_step") or 0) < step)
+        then = writer["dataset"]
+        keys = [k for k in current if k.endswith("_sha256")]
+        return bool(keys) and all(then.get(k) == current[k] for k in keys)
+    except (OSError, ValueError, AttributeError, TypeError, KeyError, StopIteration):
+        return False
+
+
 def dataset_missing(workdir: str, config: Config) -> str | None:
     """Why the run in ``workdir`` cannot be read with ``config``: the dataset directory
     it recorded in its ``run.json`` is gone from that path (or holds no readable
@@ -125,9 +143,10 @@ def dataset_missing(workdir: str, config: Config) -> str | None:
     return (
         f"{workdir} was trained on the dataset directory at task.path {recorded['path']}, "
         f"which holds no dataset now: put back the dataset the run trained on{files}, or "
-        "where it was moved to, give its new place with --set task.path=DIR (resuming and "
-        "evaluating take it, when DIR holds those same files); or, to train on with "
-        "another dataset, resume with its task.path and --allow-config-change"
+        "where it was moved to, give its new place: --set task.path=DIR to resume or "
+        "evaluate, ocformer.export --task-path DIR (when DIR holds those same files); or, "
+        "to train on with another dataset, resume with its task.path and "
+        "--allow-config-change"
     )
 
 
