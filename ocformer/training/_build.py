@@ -295,8 +295,10 @@ def restore_run(
 
     ``task_path`` is where the run's dataset directory is now, when it was moved: it
     must hold the files the run recorded (their SHA-256), and the configuration reads
-    it. A checkpoint whose recorded ``task.path`` holds no dataset any more reads the
-    run's (``config.json``'s, after a resume that gave the moved place) too.
+    it. A checkpoint whose recorded ``task.path`` holds no dataset any more (or any
+    checkpoint, when ``task_path`` is given) reads the run's place too (``config.json``'s,
+    after a resume that gave the moved place), when the start that wrote it read the
+    files the run records now (``wrote_with_current_dataset``).
 
     Raises:
         WorkdirError: not an ocformer work directory, no configuration, or no committed
