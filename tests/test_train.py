@@ -477,7 +477,7 @@ def test_load_run_gives_the_trained_model(tmp_path):
     exp = build(loaded_config)
     evaluate = make_eval_step(exp.objective)
     t = loaded_config.task
-    batches = exp.task.eval_batches(t.eval_batch_size, t.eval_batches, loaded_config.train.seed)
+    batches = exp.task.eval_batches(t.eval_batch_size, t.eval_batches, loaded_config.eval_seed)
     losses = [float(evaluate(model, {k: jnp.asarray(v) for k, v in b.items()})["task_loss"])
               for b in batches]  # fmt: skip
     assert jnp.asarray(model.readout.weight).dtype == jnp.float32
@@ -489,6 +489,33 @@ def test_load_run_gives_the_trained_model(tmp_path):
     # An earlier checkpoint by step; a step that was not kept is refused by name.
     with pytest.raises(ValueError, match=r"no committed checkpoint of step 3; committed steps"):
         load_run(tmp_path, step=3)
+    # The evaluation command takes another set of validation windows: seed 0's are the
+    # run's own (train.seed 0), seed 1's another set.
+    from ocformer.evaluation import evaluate_run
+
+    own = evaluate_run(str(tmp_path), ["task.eval_seed=0"])["val_loss"]
+    other = evaluate_run(str(tmp_path), ["task.eval_seed=1"])["val_loss"]
+    np.testing.assert_allclose(own, last["val_loss"], rtol=1e-6)
+    assert abs(other - own) > 1e-4
+
+
+def test_task_eval_seed_gives_runs_of_every_train_seed_one_validation_set():
+    """``train.seed`` draws the validation windows unless ``task.eval_seed`` is set;
+    with it set, configurations of other training seeds evaluate a model on the same
+    windows (the same loss to the last bit), and another ``eval_seed`` on others."""
+    from ocformer.evaluation import evaluate
+
+    config = resolve(SMOKE, ["task.eval_batches=1", "task.eval_batch_size=4"])
+    model = build(config).model
+
+    def val_loss(*overrides):
+        return evaluate(resolve(SMOKE, [*overrides, "task.eval_batches=1",
+                                        "task.eval_batch_size=4"]), model)["val_loss"]  # fmt: skip
+
+    assert val_loss("train.seed=3", "task.eval_seed=0") == val_loss("task.eval_seed=0")
+    assert val_loss("train.seed=3", "task.eval_seed=0") == val_loss("train.seed=0")
+    assert val_loss("train.seed=3") == val_loss("train.seed=5", "task.eval_seed=3")
+    assert abs(val_loss("train.seed=3") - val_loss("train.seed=0")) > 1e-4
 
 
 @pytest.mark.parametrize("norm", ["pre", "post"])

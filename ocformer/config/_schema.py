@@ -255,6 +255,13 @@ class TaskConfig:
     batch_size: int = _field(16, "training batch size", ge=1)
     eval_batch_size: int = _field(32, "validation batch size", ge=1)
     eval_batches: int = _field(4, "validation batches (a fixed set)", ge=1)
+    eval_seed: int | None = _field(
+        None,
+        "seed of the validation windows (None: train.seed); set it to evaluate runs of "
+        "different train.seed on one validation set",
+        ge=0,
+        lt=2**32,
+    )
 
 
 @dataclass(frozen=True)
@@ -264,8 +271,8 @@ class TrainConfig:
     steps: int = _field(100, "optimiser updates", ge=0)
     seed: int = _field(
         0,
-        "seed of initialisation, data order, the validation windows and sampling (JAX's "
-        "keys take 32 bits of it)",
+        "seed of initialisation, data order, sampling and, unless task.eval_seed is set, "
+        "the validation windows (JAX's keys take 32 bits of it)",
         ge=0,
         lt=2**32,
     )
@@ -388,6 +395,12 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    @property
+    def eval_seed(self) -> int:
+        """The seed of the validation windows: ``task.eval_seed``, else ``train.seed``."""
+        seed = self.task.eval_seed
+        return self.train.seed if seed is None else seed
 
 
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))

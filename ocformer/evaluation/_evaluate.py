@@ -67,6 +67,9 @@ DEPTH_SOLVE_FIELD = "discretisation.depth_parallel"
 # The one field outside the discretisation an evaluation takes: where the run's dataset
 # directory is now, when it was moved (it must hold the same files).
 MOVED_FIELD = "task.path"
+# And the seed of the validation windows: which set a run is measured on, not what it
+# learned (runs of different train.seed compare on one set when each sets it alike).
+WINDOWS_FIELD = "task.eval_seed"
 
 
 def check_discretisation_field(key: str) -> None:
@@ -283,7 +286,7 @@ def evaluate(config: Config, model, task=None) -> dict:
     tc = config.task
     batches = [
         {k: jnp.asarray(v) for k, v in b.items()}
-        for b in task.eval_batches(tc.eval_batch_size, tc.eval_batches, config.train.seed)
+        for b in task.eval_batches(tc.eval_batch_size, tc.eval_batches, config.eval_seed)
     ]
     step = make_eval_step(with_precision(exp.objective, config))  # as training evaluates
     try:
@@ -323,7 +326,8 @@ def evaluate_start(config: Config) -> dict:
 
 def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None = None) -> dict:
     """Evaluate the trained run in ``workdir`` under its discretisation changed by
-    ``overrides`` (``"section.field=value"``, discretisation fields only). A trained
+    ``overrides`` (``"section.field=value"``: discretisation fields, ``task.eval_seed``
+    for another set of validation windows, ``task.path`` for a moved dataset). A trained
     gradient method, depth-parallel costate or MGRIT relaxation that the new
     discretisation does not take is replaced by its default (``evaluation_config``),
     unless ``overrides`` set it.
@@ -339,7 +343,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
         ``discretisation`` (every discretisation field used).
 
     Raises:
-        ConfigError: an override outside the discretisation, or an invalid one.
+        ConfigError: an override of another field, or an invalid one.
         ocformer.training.WorkdirError: not a run directory, or no checkpoint.
         ocformer.checkpointing.CheckpointError: a corrupted checkpoint.
         SolverFailure: a solve failed under the new discretisation.
@@ -356,7 +360,8 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     moved = [o for o in overrides if o.split("=", 1)[0].strip() == MOVED_FIELD]
     changes = [o for o in overrides if o not in moved]
     for text in changes:
-        check_discretisation_field(text.split("=", 1)[0].strip())
+        if text.split("=", 1)[0].strip() != WINDOWS_FIELD:
+            check_discretisation_field(text.split("=", 1)[0].strip())
     task_path = None
     for text in moved:
         task_path = parse_override(text)[1]

@@ -277,7 +277,7 @@ class _Evaluation:
 
     def __init__(self, exp: Experiment, layout: Layout, model):
         task, tc, t = exp.task, exp.config.train, exp.config.task
-        batches = task.eval_batches(t.eval_batch_size, t.eval_batches, tc.seed)
+        batches = task.eval_batches(t.eval_batch_size, t.eval_batches, exp.config.eval_seed)
         self.evaluate = make_eval_step(with_precision(exp.objective, exp.config))
         if layout.active:
             self.batches = [layout.put_replicated(b) for b in batches]
