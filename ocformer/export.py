@@ -25,6 +25,7 @@ destination; nothing written), 1 unexpected error.
 """
 
 import argparse
+import errno
 import json
 import os
 import tempfile
@@ -32,7 +33,7 @@ import tempfile
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
-from .convert import export_config, to_pretrained
+from .convert import check_destination, export_config, to_pretrained
 from .models import TokenEmbedding
 from .objective import Ternary, feedforward_kernels, with_feedforward_kernels
 from .tasks import TOKENIZER_FILE
@@ -99,7 +100,20 @@ def export(
             empty, and ``overwrite`` is off. Nothing is written in any of these cases.
     """
     workdir = os.fspath(workdir)
-    config, model = load_run(workdir, step, task_path=task_path)
+    if not os.fspath(to).strip():  # "" is the current directory to os.path, not "no path"
+        raise ConfigError("--to", "is empty; give the directory to write the checkpoint to")
+    try:  # before the run is read: a destination that cannot take the export
+        check_destination(os.fspath(to), overwrite)
+    except ValueError as e:
+        raise ConfigError("--to", str(e)) from None
+    try:
+        config, model = load_run(workdir, step, task_path=task_path)
+    except ConfigError as e:
+        if e.field != "task.path":
+            raise
+        raise ConfigError(
+            "--task-path", str(e).split(": ", 1)[1].replace("task.path", "it")
+        ) from None
     differ = nonstandard_fields(config)
     if "model.attention" in differ:
         raise ConfigError(
@@ -151,6 +165,12 @@ def export(
             to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
         except ValueError as e:
             raise ConfigError("--to", str(e)) from None
+        except (PermissionError, IsADirectoryError, NotADirectoryError) as e:
+            raise ConfigError("--to", f"{path} cannot be written ({e})") from None
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ConfigError("--to", f"{path} cannot be written ({e})") from None
     return path
 
 

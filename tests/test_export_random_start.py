@@ -52,12 +52,30 @@ def dataset(tmp_path_factory):
     return root / "ds"
 
 
-def test_a_tied_random_start_is_exported_as_gpt2_with_its_tokenizer(dataset, tmp_path):
+def test_a_tied_random_start_is_exported_as_gpt2_with_its_tokenizer(
+    dataset, tmp_path, monkeypatch, capsys
+):
     run = tmp_path / "run"
     task = ["task.name=tokens", f"task.path={dataset}", "task.seq_len=12"]
     assert _train(run, *task, "model.readout=tied") == 0
     _, model = load_run(run)
     assert model.tied and model.head is None
+    # An empty --to is no path (os.path would read it as the current directory, which
+    # --overwrite replaces whole), and a folder that cannot be written is named first.
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    capsys.readouterr()
+    assert export_cli.main([str(run), "--to", "", "--overwrite"]) == 2
+    assert "--to: is empty" in capsys.readouterr().err
+    assert sorted(os.listdir(here)) == ["notes.txt"]
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m: p != str(here) and access(p, m))
+    assert export_cli.main([str(run), "--to", str(here / "hf")]) == 2
+    assert f"but '{here}' cannot be written" in capsys.readouterr().err
+    assert sorted(os.listdir(here)) == ["notes.txt"]
+    monkeypatch.undo()
     assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (written["n_embd"], written["n_inner"], written["n_positions"]) == (16, 32, 12)
@@ -182,6 +200,9 @@ def test_the_export_command_names_the_tied_readout_for_an_untied_run(tmp_path, c
     err = capsys.readouterr().err
     assert "model.readout" in err and "--set model.readout=tied" in err
     assert not (tmp_path / "hf").exists()
+    # A dataset's new place for a run of a task without one names the option given.
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf"), "--task-path", "d"]) == 2
+    assert "--task-path: " in (err := capsys.readouterr().err) and "drop it" in err, err
 
 
 def test_a_tied_readout_is_refused_for_an_image_task():

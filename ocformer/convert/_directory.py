@@ -181,6 +181,8 @@ def check_destination(path: str, overwrite: bool) -> None:
         FileExistsError: ``path`` is a directory that is not empty and is not an
             export of ocformer's (or holds files besides it), and ``overwrite`` is off.
     """
+    if not path.strip():  # os.path reads "" as the current directory
+        raise ValueError("to_pretrained needs the path of a directory, got an empty one.")
     if os.path.islink(path):
         raise ValueError(
             f"to_pretrained writes a checkpoint directory, but {path!r} is a symbolic link "
@@ -199,6 +201,12 @@ def check_destination(path: str, overwrite: bool) -> None:
         raise ValueError(
             f"to_pretrained writes a checkpoint directory at {path!r}, but {above!r} above "
             "it is a file; give a path under a directory."
+        )
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"to_pretrained writes a checkpoint directory at {path!r}, but {above!r} "
+            "cannot be written (no permission, or a read-only file system; the directory is "
+            "written next to its place, then renamed); give a path under a writable directory."
         )
     if overwrite or not os.path.isdir(path):
         return
