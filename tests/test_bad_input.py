@@ -674,6 +674,15 @@ def _sweep_with(*flags):
     return case
 
 
+def _sweep_here(*argv):
+    def case(tmp_path, stack):
+        from ocformer import sweep
+
+        return sweep.main, [*argv]
+
+    return case
+
+
 def _sweep_parallel_zero(tmp_path, stack):
     smoke = SWEEPS / "smoke.py"
     return _in_a_process("ocformer.sweep"), [
@@ -746,6 +755,10 @@ BAD_COMMAND_LINES = [
     ("sweep local --gpus 0", _sweep_with("--gpus", "0"), 2,
      ["--gpus is a SLURM option, which the local launcher does not read"]),
     ("sweep --onl", _sweep_with("--onl", "layers=1"), 2, ["unrecognized arguments: --onl"]),
+    # An empty path is not the current directory (a sweep would start there).
+    ("sweep --workdir ''", _sweep_here(str(SWEEPS / "smoke.py"), "--workdir", "", "--dry-run"),
+     2, ["--workdir is an empty path"]),
+    ("sweep report ''", _sweep_here("report", ""), 2, ["the sweep directory is an empty path"]),
     ("sweep slurm --parallel", _sweep_with("--launcher", "slurm", "--parallel", "2"), 2,
      ["--parallel is the number of local worker processes, which --launcher slurm does not "
       "read"]),

@@ -365,6 +365,10 @@ def test_empty_axis(tmp_path):
     assert "bad.py" in msg and "axis 'num_layers': has no values" in msg
     with pytest.raises(SweepError, match=r"axis 'z': sets no field; give each field its values"):
         zipped("z", {})
+    # A field is a dotted name (an int was an AttributeError on its name).
+    for bad in (lambda: axis(5, [1]), lambda: axis("width", [1]), lambda: zipped("z", {3: [1]})):
+        with pytest.raises(SweepError, match="a field is a dotted config name such as"):
+            bad()
 
 
 def test_invalid_point_is_named_with_its_field(tmp_path, capsys):

@@ -78,6 +78,12 @@ class Axis:
             )
         if len(set(self.labels)) != len(self.labels):
             raise SweepError(f"axis {self.name!r}", f"labels must differ, got {self.labels}")
+        for f in self.fields:
+            if not isinstance(f, str) or "." not in f:
+                raise SweepError(
+                    f"axis {self.name!r}",
+                    f"a field is a dotted config name such as 'model.num_layers', got {f!r}",
+                )
         for v in self.values:
             if len(v) != len(self.fields):
                 raise SweepError(
@@ -106,7 +112,7 @@ def axis(
     """
     values = tuple(values)
     return Axis(
-        name=name or field.rsplit(".", 1)[-1],
+        name=name or (field.rsplit(".", 1)[-1] if isinstance(field, str) else repr(field)),
         fields=(field,),
         values=tuple((v,) for v in values),
         labels=tuple(labels) if labels is not None else tuple(_short(v) for v in values),
@@ -125,7 +131,7 @@ def zipped(
         raise SweepError(
             f"axis {name!r}",
             "sets no field; give each field its values, e.g. zipped(name, "
-            '{"model.num_layers": [1, 2], "model.d_model": [16, 32]})',
+            '{"model.num_layers": [1, 2], "model.width": [16, 32]})',
         )
     columns = [tuple(settings[f]) for f in fields]
     lengths = {len(c) for c in columns}
