@@ -183,6 +183,13 @@ def _batch_larger_than_memory(tmp_path, reference):
     return argv(tmp_path / "run", "task.batch_size=1000000000"), tmp_path
 
 
+def _larger_than_memory(*sets):
+    def case(tmp_path, reference):
+        return argv(tmp_path / "run", *sets), tmp_path
+
+    return case
+
+
 def _mesh_larger_than_the_devices(tmp_path, reference):
     return argv(tmp_path / "run", "mesh.data=3"), tmp_path
 
@@ -285,6 +292,19 @@ BAD_INPUTS = [
     ("batch larger than the memory", _batch_larger_than_memory, 2,
      ["task.batch_size: a batch of 1000000000 sequences of 16 tokens needs about 238.4 GiB",
       "of memory available on this machine"]),
+    # The parameters and the validation set count too (each was an allocation error
+    # after the run's files were written), naming the field that sizes them.
+    ("parameters larger than the memory", _larger_than_memory("model.width=200000"), 2,
+     ["model.width: the parameters (width 200000, hidden 32, 2 layers, 8 symbols) with "
+      "their gradients and optimiser state need about 4768.8 GiB", "lower model.width"]),
+    ("a vocabulary larger than the memory", _larger_than_memory("task.vocab_size=2147483647"),
+     2, ["task.vocab_size: the parameters", "lower task.vocab_size"]),
+    ("validation set larger than the memory",
+     _larger_than_memory("task.eval_batch_size=2147483647"), 2,
+     ["task.eval_batch_size: the validation set of 4 batches of 2147483647 sequences of 16 "
+      "tokens", "lower task.eval_batch_size"]),
+    ("feed-forward width larger than the memory", _larger_than_memory("model.hidden=2147483647"),
+     2, ["lower model.hidden"]),
     ("mesh.data=3 on one device", _mesh_larger_than_the_devices, 2,
      ["3 x 1 = 3 devices is larger than the 1 device of"]),
     ("bad --set syntax", _bad_set_syntax, 2, ["bad --set syntax"]),

@@ -30,7 +30,7 @@ from ..checkpointing import (
     atomic_write_text,
     remove_stale_temporaries,
 )
-from ..config import Config, ConfigError, as_recorded, is_set, to_dict
+from ..config import Config, ConfigError, as_recorded, is_set, to_dict, unread_task_options
 from ..distributed import wait_timeout_s
 from ..tasks import dataset_identity
 from ._errors import DATASET_CHANGE, ConfigChanged, WorkdirError
@@ -243,32 +243,109 @@ def batch_memory(config: Config) -> tuple[int, int]:
     hidden units and each head's attention row), in the model's dtype."""
     t, m, d = config.task, config.model, config.discretisation
     tokens = t.batch_size * t.seq_len
-    itemsize = 8 if m.dtype == "float64" else 4
-    per_token = 4 * m.width + m.hidden + m.num_heads * t.seq_len
-    activations = tokens * m.num_layers * d.steps_per_layer * per_token * itemsize
+    activations = tokens * m.num_layers * d.steps_per_layer * _per_token(config)
     return 2 * 8 * tokens, activations
 
 
+def _per_token(config: Config) -> int:
+    """Bytes of one token's states in one step (``batch_memory``)."""
+    m = config.model
+    itemsize = 8 if m.dtype == "float64" else 4
+    return (4 * m.width + m.hidden + m.num_heads * config.task.seq_len) * itemsize
+
+
+def memory_parts(config: Config) -> dict[str, int]:
+    """Rough bytes of a run's three largest holdings: the training batch with the
+    activations its step keeps (``batch_memory``), the validation set (every batch held
+    at once, and one batch's forward states), and the parameters with their gradients
+    and two optimiser moments (the layers' maps, one copy per control value, and the
+    synthetic tasks' symbol tables; a dataset's vocabulary is not known before it is
+    opened)."""
+    t, m, c = config.task, config.model, config.controls
+    tokens, activations = batch_memory(config)
+    held = t.eval_batches * t.eval_batch_size * t.seq_len * 2 * 8
+    forward = t.eval_batch_size * t.seq_len * _per_token(config)
+    layers = {"piecewise_linear": m.num_layers + 1, "basis": c.basis_size, "constant": 1}
+    copies = layers.get(c.kind, m.num_layers)
+    vocab = t.vocab_size if "vocab_size" not in unread_task_options(t.name) else 0
+    params = copies * (4 * m.width * m.width + 2 * m.width * m.hidden) + 2 * vocab * m.width
+    return {
+        "training batch": tokens + activations,
+        "validation set": held + forward,
+        "parameters": 4 * params * (8 if m.dtype == "float64" else 4),
+    }
+
+
+# The fields that size each of memory_parts, with their defaults' scale: the refusal
+# names the one furthest above it.
+_SIZED_BY = {
+    "training batch": ("task.batch_size", "task.seq_len", "model.num_layers",
+                       "discretisation.steps_per_layer", "model.width", "model.hidden",
+                       "model.num_heads"),
+    "validation set": ("task.eval_batch_size", "task.eval_batches", "task.seq_len"),
+    "parameters": ("model.width", "model.hidden", "model.num_layers", "controls.basis_size",
+                   "task.vocab_size"),
+}  # fmt: skip
+
+
 def check_memory(config: Config, available: int | None = None) -> None:
-    """Refuse a batch that cannot fit in this machine's memory, before anything is
-    built or written (instead of a NumPy allocation error part-way into the run).
+    """Refuse a run whose batch, validation set or parameters cannot fit in this
+    machine's memory, before anything is built or written (instead of an allocation
+    error part-way into the run).
 
     Raises:
-        ConfigError: (``task.batch_size``) with the estimate and the memory available.
+        ConfigError: naming the field furthest above its default among those that
+            size the largest part (``task.batch_size`` for a training batch), with the
+            estimate and the memory available.
     """
     available = available_memory() if available is None else available
     if available is None:
         return
-    batch, activations = batch_memory(config)
-    if batch + activations > available:
-        t = config.task
-        raise ConfigError(
-            "task.batch_size",
+    parts = memory_parts(config)
+    total = sum(parts.values())
+    if total <= available:
+        return
+    largest = max(parts, key=lambda k: parts[k])
+    default = Config()
+
+    def scale(dotted: str) -> float:
+        section, name = dotted.split(".")
+        return getattr(getattr(config, section), name) / getattr(getattr(default, section), name)
+
+    # A field that sizes every part (model.hidden, say) is named even where another
+    # part is the largest; one of a small part is not.
+    sizing = {f for k, v in parts.items() if v > total / 4 for f in _SIZED_BY[k]}
+    field = max(sorted(sizing), key=scale)
+    t, m = config.task, config.model
+    n = config.discretisation.steps_per_layer
+    if largest == "training batch":
+        tokens, activations = batch_memory(config)
+        what = (
             f"a batch of {t.batch_size} sequences of {t.seq_len} tokens needs about "
-            f"{batch / _GIB:.1f} GiB for its tokens and {activations / _GIB:.1f} GiB for "
-            f"the model's activations (roughly), more than the {available / _GIB:.1f} GiB "
-            "of memory available on this machine; lower task.batch_size (or task.seq_len)",
+            f"{tokens / _GIB:.1f} GiB for its tokens and {activations / _GIB:.1f} GiB for "
+            f"the model's activations ({m.num_layers} layers, "
+            f"{n} step{'s' * (n != 1)} per layer, width {m.width}, "
+            f"hidden {m.hidden}; roughly)"
         )
+    elif largest == "validation set":
+        what = (
+            f"the validation set of {t.eval_batches} batches of {t.eval_batch_size} "
+            f"sequences of {t.seq_len} tokens, with one batch's forward states (width "
+            f"{m.width}, hidden {m.hidden}), needs about {parts[largest] / _GIB:.1f} GiB"
+        )
+    else:
+        symbols = "" if "vocab_size" in unread_task_options(t.name) else f", {t.vocab_size} symbols"
+        what = (
+            f"the parameters (width {m.width}, hidden {m.hidden}, {m.num_layers} layers"
+            f"{symbols}) "
+            f"with their gradients and optimiser state need about "
+            f"{parts[largest] / _GIB:.1f} GiB (roughly)"
+        )
+    raise ConfigError(
+        field,
+        f"{what}; the run, about {total / _GIB:.1f} GiB in all, is more than the "
+        f"{available / _GIB:.1f} GiB of memory available on this machine; lower {field}",
+    )
 
 
 def _version() -> str | None:
