@@ -564,6 +564,49 @@ def test_a_recorded_run_of_a_combination_refused_since_is_read_by_its_forward_so
     assert read.discretisation.gradient == "discretise_then_optimise"
 
 
+def test_a_weight_decay_adam_or_sgd_would_ignore_is_refused_and_a_recorded_one_read():
+    """Only adamw decays weights: a decay given with adam or sgd was accepted and
+    trained without (a run of its own would think it regularised). Refused now; a run
+    that recorded one is read as it trained, without a decay."""
+    from ocformer.config import as_recorded
+
+    for name in ("adam", "sgd"):
+        with pytest.raises(ConfigError, match=f"optimiser.name={name} applies none"):
+            resolve(SMOKE, [f"optimiser.name={name}", "optimiser.weight_decay=0.1"])
+        stored = json.loads(json.dumps(to_dict(resolve(SMOKE, [f"optimiser.name={name}"]))))
+        stored["optimiser"]["weight_decay"] = 0.1
+        assert validate(from_dict(as_recorded(stored))).optimiser.weight_decay == 0.0
+    assert resolve(SMOKE, ["optimiser.weight_decay=0.1"]).optimiser.weight_decay == 0.1
+
+
+def test_fields_the_run_would_not_read_are_listed_with_why():
+    """Accepted (a sweep's axis may set them on every point) but listed, and the
+    training command warns of each: the run would not read them."""
+    from ocformer.config import unread_fields
+
+    assert unread_fields(resolve(SMOKE, [])) == {}
+    listed = unread_fields(resolve(SMOKE, [
+        "optimiser.momentum=0.9", "optimiser.schedule=constant", "optimiser.end_lr_ratio=0.5",
+        "model.relaxation_eps=5", "model.conv_kernel=4", "controls.basis_size=3",
+        "train.sample_temperature=2", "train.msa_rho=7", "train.msa_ternary_step=5",
+    ]))  # fmt: skip
+    assert listed == {
+        "optimiser.momentum": "only sgd has a momentum, not adamw",
+        "optimiser.end_lr_ratio": "the constant schedule keeps its peak rate",
+        "model.relaxation_eps": "it is the relaxed formulation's, and model.formulation=split",
+        "model.conv_kernel": "model.attention=dot has no kernels",
+        "controls.basis_size": "controls.kind=piecewise_constant has no basis",
+        "train.sample_temperature": "train.sample_tokens=0 samples nothing",
+        "train.msa_rho": "train.method=gradient runs no MSA iteration",
+        "train.msa_ternary_step": "train.method=gradient runs no MSA iteration",
+    }
+    # Read where the mode reads them.
+    assert unread_fields(resolve(SMOKE, [
+        "optimiser.name=sgd", "optimiser.momentum=0.9", "controls.kind=basis",
+        "controls.basis_size=2", "train.sample_tokens=4", "train.sample_temperature=2",
+    ])) == {}  # fmt: skip
+
+
 def test_a_recorded_serial_run_with_a_fallback_condition_is_read():
     """A fallback condition without a depth-parallel solve is refused since (it did
     nothing); a run that recorded one is still read, the condition at its default."""

@@ -29,6 +29,7 @@ from ._validate import (
     choices as choices,
     from_dict as from_dict,
     stepper_object as stepper_object,
+    unread_fields as unread_fields,
     unread_task_options as unread_task_options,
     validate as validate,
 )

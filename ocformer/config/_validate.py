@@ -414,12 +414,56 @@ def _check_precision(c: Config) -> None:
                 )
 
 
+def unread_fields(c: Config) -> dict[str, str]:
+    """The fields set away from their defaults that the run of ``c`` never reads, each
+    with why (a momentum under adam, a sampling temperature with nothing sampled, an MSA
+    option under gradient training, ...). Accepted, since a sweep's axis may set them on
+    every point; the training command warns of them."""
+    m, o, t = c.model, c.optimiser, c.train
+    msa = t.method == "msa"
+    rules = [
+        ("optimiser.momentum", o.name != "sgd", f"only sgd has a momentum, not {o.name}"),
+        ("optimiser.b1", o.name == "sgd", "sgd has no betas"),
+        ("optimiser.b2", o.name == "sgd", "sgd has no betas"),
+        ("optimiser.end_lr_ratio", o.schedule == "constant",
+         "the constant schedule keeps its peak rate"),
+        ("model.relaxation_eps", m.formulation != "relaxed",
+         f"it is the relaxed formulation's, and model.formulation={m.formulation}"),
+        ("model.conv_kernel", m.attention != "conv", "model.attention=dot has no kernels"),
+        ("model.conv_init_scale", m.attention != "conv", "model.attention=dot has no kernels"),
+        ("controls.basis_size", c.controls.kind != "basis",
+         f"controls.kind={c.controls.kind} has no basis"),
+        ("train.sample_prompt", t.sample_tokens == 0, "train.sample_tokens=0 samples nothing"),
+        ("train.sample_temperature", t.sample_tokens == 0,
+         "train.sample_tokens=0 samples nothing"),
+        *((f"train.{f.name}", not msa, "train.method=gradient runs no MSA iteration")
+          for f in dataclasses.fields(TrainConfig) if f.name.startswith("msa_")),
+        *((f"train.{name}", msa and not c.objective.ternary,
+           "objective.ternary is off") for name in ("msa_ternary_step", "msa_ternary_memory")),
+    ]  # fmt: skip
+    default = Config()
+
+    def value(config: Config, dotted: str):
+        section, name = dotted.split(".")
+        return getattr(getattr(config, section), name)
+
+    return {f: why for f, unread, why in rules if unread and value(c, f) != value(default, f)}
+
+
 def _check_weight_decay(c: Config) -> None:
     o = c.optimiser
-    # Only adamw decays weights: with adam or sgd the choice of what to decay would be
-    # silently ignored. A weight decay of 0 with "matrices" is accepted (a sweep over
-    # the decay may include 0). Under train.method=msa the optimiser section is unused
-    # and is checked as for gradient training, so that one file serves both methods.
+    # Only adamw decays weights: with adam or sgd a decay, or the choice of what to
+    # decay, would be silently ignored. A weight decay of 0 with "matrices" is accepted
+    # (a sweep over the decay may include 0). Under train.method=msa the optimiser
+    # section is unused and is checked as for gradient training, so that one file
+    # serves both methods.
+    if o.weight_decay > 0 and o.name != "adamw":
+        raise ConfigError(
+            "optimiser.weight_decay",
+            f"weight_decay={o.weight_decay:g} is adamw's decoupled weight decay, and "
+            f"optimiser.name={o.name} applies none: the run would train without it. Set "
+            "optimiser.name=adamw, or optimiser.weight_decay=0",
+        )
     if o.weight_decay_on != "all" and o.name != "adamw":
         raise ConfigError(
             "optimiser.weight_decay_on",
@@ -577,7 +621,8 @@ def as_recorded(data: dict) -> dict:
     under ``discretisation.depth_parallel`` none: the serial solve never read them; the
     options of other tasks than the run's (``task.vocab_size`` under ``tokens``); and
     ``optimise_then_discretise`` on the relaxed formulation, read as the default
-    gradient method (the forward solve is the same; its gradients were wrong).
+    gradient method (the forward solve is the same; its gradients were wrong); and a
+    weight decay under ``optimiser.name`` adam or sgd, which decay nothing.
     A new configuration is never read this way: there they are refused."""
     if not isinstance(data, dict):
         return data
@@ -587,6 +632,10 @@ def as_recorded(data: dict) -> dict:
         unread = unread_task_options(task["name"])
         reset = {k: defaults[k] for k in unread if k in task and k != "path"}
         data = {**data, "task": {**task, **reset}}
+    optimiser = data.get("optimiser")
+    if isinstance(optimiser, dict) and optimiser.get("name") in ("adam", "sgd"):
+        # A weight decay their update never read (refused since).
+        data = {**data, "optimiser": {**optimiser, "weight_decay": 0.0}}
     disc = data.get("discretisation")
     model = data.get("model")
     if (

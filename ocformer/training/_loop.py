@@ -44,7 +44,7 @@ import jax.random as jr
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..config import Config, from_dict, validate
+from ..config import Config, from_dict, unread_fields, validate
 from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
 from ..tasks import AbstractTask, AbstractTextTask
@@ -467,6 +467,9 @@ def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
     """The run's objects. A run that resumes takes its parameters from its own
     checkpoint (``build_from_own_checkpoint``: ``run.json`` carries the first start's
     record of its source over)."""
+    if is_primary():
+        for field, why in unread_fields(config).items():
+            print(f"ocformer: warning: {field} is set but not read: {why}", file=sys.stderr)
     if run.resumable():
         return build_from_own_checkpoint(config, run.path, mesh=layout.mesh)
     exp = build(config, mesh=layout.mesh)
