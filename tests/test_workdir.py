@@ -425,6 +425,9 @@ def test_allowed_config_change_is_recorded_and_the_schedule_change_announced(
     new = float(make_schedule(config.optimiser, 14)(STEPS))
     assert old != new
     assert f"schedule changes at step {STEPS + 1}: lr {old:.3e} -> {new:.3e}" in out, out
+    # Each changed field is said, not only its effect on the rate.
+    said = f"configuration changes at step {STEPS + 1} (recorded in config_history.jsonl): "
+    assert said + f"train.steps: {STEPS} -> 14" in out, out
     with open(workdir / "config_history.jsonl", encoding="utf-8") as f:
         (entry,) = [json.loads(line) for line in f]
     assert entry["step"] == STEPS and entry["changes"] == {"train.steps": [STEPS, 14]}

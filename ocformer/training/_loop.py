@@ -508,6 +508,12 @@ def _start(exp: Experiment, config: Config, run: RunDirectory, layout: Layout, c
     if resumed_from is not None:
         print(f"ocformer: resuming {run.path} from step {step}", flush=True)
         if changes:
+            listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            print(
+                f"ocformer: the configuration changes at step {step + 1} (recorded in "
+                f"config_history.jsonl): {listed}",
+                flush=True,
+            )
             _announce_schedule(run.stored_config or {}, config, step, skipped)
     return resumed_from, (model, opt_state, key, step, skipped, fallback)
 
