@@ -36,7 +36,7 @@ from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, M
 from .convert import check_destination, export_config, to_pretrained
 from .models import TokenEmbedding
 from .objective import Ternary, feedforward_kernels, with_feedforward_kernels
-from .tasks import TOKENIZER_FILE
+from .tasks import TOKENIZER_FILE, sha256_file
 from .training import (
     ExitCode,
     WorkdirError,
@@ -48,6 +48,13 @@ from .training import (
 
 _PROGRAM = "ocformer.export"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# The files beside a checkpoint's tokenizer.json that set how transformers reads it (its
+# class, length limit and special tokens, a slow tokenizer's vocabulary, a chat template)
+# and how the model generates: written back with that tokenizer.
+START_TOKENIZER_FILES = (
+    TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
+)  # fmt: skip
 # The fields that make a run the standard layer stack (the values to_layers reads; CvT's
 # convolutional projections are not in it).
 _STANDARD = (
@@ -160,7 +167,8 @@ def export(
                 "whole) would destroy; write the export elsewhere",
             )
     with tempfile.TemporaryDirectory() as scratch:
-        files = _tokenizer_files(config.task.path, scratch, written_as)
+        files = _start_tokenizer_files(workdir, config.task.path)
+        files = files or _tokenizer_files(config.task.path, scratch, written_as)
         try:
             to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
         except ValueError as e:
@@ -172,6 +180,33 @@ def export(
                 raise
             raise ConfigError("--to", f"{path} cannot be written ({e})") from None
     return path
+
+
+def _start_tokenizer_files(workdir: str, dataset: str | None) -> dict[str, str]:
+    """The tokenizer of the Hugging Face checkpoint the run's chain of starts began from,
+    with its settings (``START_TOKENIZER_FILES``), when the run's dataset was prepared
+    with that very tokenizer (the same ``tokenizer.json``, by SHA-256); else none."""
+    if dataset is None or not os.path.isfile(tokenizer := os.path.join(dataset, TOKENIZER_FILE)):
+        return {}
+    seen, run = set(), workdir
+    while isinstance(started := run_record(run, "init_from"), dict):
+        source = started.get("path")
+        if not isinstance(source, str) or os.path.realpath(source) in seen:
+            return {}
+        seen.add(os.path.realpath(source))
+        if started.get("kind") != "run":
+            break
+        run = source
+    else:
+        return {}
+    theirs = os.path.join(source, TOKENIZER_FILE)
+    if not os.path.isfile(theirs) or sha256_file(theirs) != sha256_file(tokenizer):
+        return {}
+    files = {TOKENIZER_FILE: tokenizer}
+    for name in START_TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(source, name)):
+            files[name] = os.path.join(source, name)
+    return files
 
 
 def _tokenizer_files(dataset: str | None, scratch: str, written_as: dict) -> dict[str, str]:

@@ -814,3 +814,38 @@ def test_an_exported_tokenizer_names_the_model_s_special_tokens(experiment, gpt2
     theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert theirs.eos_token == theirs.bos_token == "<|endoftext|>"
     assert theirs.eos_token_id == end and theirs.pad_token is None
+
+
+def test_an_export_carries_the_settings_of_its_start_s_own_tokenizer(experiment, gpt2, tmp_path):
+    """A run whose dataset was prepared with its Hugging Face start's own tokenizer is
+    exported with that tokenizer's settings beside it (the files of the start): its
+    length limit, special tokens and chat template, as the start had them. They were
+    replaced by minimal settings (no limit, no chat template, truncation a no-op)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from ocformer.tasks import prepare_text
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat. " * 40, encoding="utf-8")
+    prepare_text([str(corpus)], "char", tmp_path / "chars", progress=False)
+    tok = Tokenizer.from_file(str(tmp_path / "chars" / "tokenizer.json"))
+    tok.add_special_tokens(["<|endoftext|>"])
+    theirs = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                     model_max_length=POSITIONS)  # fmt: skip
+    theirs.chat_template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    source = tmp_path / "gpt2"
+    GPT2LMHeadModel.from_pretrained(gpt2[0], torch_dtype=torch.float64).save_pretrained(source)
+    theirs.save_pretrained(source)
+    prepare_text([str(corpus)], str(source), tmp_path / "ds", progress=False)
+    run = tmp_path / "run"
+    task = ["task.name=tokens", f"task.path={tmp_path / 'ds'}", "train.steps=1"]
+    _train(experiment, run, f"model.init_from={source}", *task)
+    assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
+    back = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "the mat sat on the cat. " * 2
+    assert back(text).input_ids == theirs(text).input_ids and len(theirs(text).input_ids) > 16
+    assert len(back(text, truncation=True).input_ids) == POSITIONS == back.model_max_length
+    assert back.eos_token == "<|endoftext|>"
+    chat = [{"role": "user", "content": "the cat"}, {"role": "user", "content": "sat"}]
+    assert back.apply_chat_template(chat, tokenize=False) == "the cat|sat|"

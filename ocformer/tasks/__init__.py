@@ -15,6 +15,7 @@ from ._dataset import (
     dataset_identity as dataset_identity,
     open_dataset as open_dataset,
     prepare_text as prepare_text,
+    sha256_file as sha256_file,
     verify_dataset as verify_dataset,
 )
 from ._digits import Digits as Digits
