@@ -41,7 +41,7 @@ from .training import (
     ExitCode,
     WorkdirError,
     enable_x64_for_run,
-    load_run,
+    load_run_at,
     parse_source,
     run_record,
 )
@@ -114,7 +114,7 @@ def export(
     except ValueError as e:
         raise ConfigError("--to", str(e)) from None
     try:
-        config, model = load_run(workdir, step, task_path=task_path)
+        config, model, step = load_run_at(workdir, step, task_path=task_path)
     except ConfigError as e:
         if e.field != "task.path":
             raise
@@ -170,7 +170,8 @@ def export(
         files = _start_tokenizer_files(workdir, config.task.path)
         files = files or _tokenizer_files(config.task.path, scratch, written_as)
         try:
-            to_pretrained(model, path, files=files, overwrite=overwrite)  # type: ignore[arg-type]
+            origin = {"workdir": os.path.abspath(workdir), "step": step}
+            to_pretrained(model, path, files=files, overwrite=overwrite, origin=origin)  # type: ignore[arg-type]
         except ValueError as e:
             raise ConfigError("--to", str(e)) from None
         except (PermissionError, IsADirectoryError, NotADirectoryError) as e:

@@ -27,7 +27,7 @@ from ocformer import export as export_cli, train as train_cli
 from ocformer.config import ConfigError, resolve
 from ocformer.convert import export_config, from_pretrained, to_pretrained
 from ocformer.tasks import make_task, prepare_text
-from ocformer.training import build, load_run
+from ocformer.training import build, load_run, load_run_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = os.path.join(ROOT, "experiments", "smoke.py")
@@ -78,6 +78,9 @@ def test_a_tied_random_start_is_exported_as_gpt2_with_its_tokenizer(
     monkeypatch.undo()
     assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    # The marker says which run and step the checkpoint is.
+    origin = json.loads((tmp_path / "hf" / "ocformer_export.json").read_text())["origin"]
+    assert origin == {"workdir": str(run), "step": load_run_at(run)[2]}
     assert (written["n_embd"], written["n_inner"], written["n_positions"]) == (16, 32, 12)
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     vocab = model.embedding.tokens.shape[0]

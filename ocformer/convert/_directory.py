@@ -15,6 +15,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -322,6 +323,7 @@ def write_directory(
     *,
     files: Mapping[str, str | os.PathLike],
     overwrite: bool,
+    origin: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``config.json``, ``model.safetensors``, the copied ``files`` and the export
     marker into a staging sibling of ``path``, then rename it into place.
@@ -342,6 +344,7 @@ def write_directory(
             "model_type": config["model_type"],
             "architectures": config["architectures"],
             "files": sorted(files),
+            **({} if origin is None else {"origin": dict(origin)}),
         }
         with open(os.path.join(staging, EXPORT_MARKER), "w") as f:
             json.dump(marker, f, indent=2)

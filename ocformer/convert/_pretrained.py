@@ -13,6 +13,7 @@ half-loaded.
 import json
 import os
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -185,6 +186,7 @@ def to_pretrained(
     *,
     overwrite: bool = False,
     files: Mapping[str, str | os.PathLike] | None = None,
+    origin: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads.
 
@@ -210,6 +212,8 @@ def to_pretrained(
         files: further files to put in the checkpoint directory (name -> source file),
             such as the run's ``tokenizer.json``; written with the checkpoint and
             listed in its marker, so that exporting into the directory again is allowed.
+        origin: where the model came from (JSON data, e.g. the run and step that
+            trained it), recorded in the marker as ``origin``.
 
     Raises:
         ValueError: ``model`` is not a ``SequenceModel`` of a supported family (one
@@ -243,4 +247,4 @@ def to_pretrained(
         for k, v in tensors.items()
     }
     config |= updates | {"dtype": str(dtype)}
-    write_directory(path, config, out, files=files, overwrite=overwrite)
+    write_directory(path, config, out, files=files, overwrite=overwrite, origin=origin)
