@@ -102,7 +102,8 @@ class DatasetError(ValueError):
     """A dataset directory that is not one, or is corrupted. The message names the file."""
 
 
-def sha256_file(path: pathlib.Path, block: int = 1 << 22) -> str:
+def sha256_file(path: str | os.PathLike, block: int = 1 << 22) -> str:
+    """The SHA-256 of a file's bytes (hex), read in blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(block):
