@@ -603,6 +603,7 @@ def test_fields_the_run_would_not_read_are_listed_with_why():
     # Read where the mode reads them.
     assert unread_fields(resolve(SMOKE, [
         "optimiser.name=sgd", "optimiser.momentum=0.9", "controls.kind=basis",
+        "objective.sigma_floor=none",
         "controls.basis_size=2", "train.sample_tokens=4", "train.sample_temperature=2",
     ])) == {}  # fmt: skip
 
