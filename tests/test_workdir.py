@@ -305,6 +305,9 @@ BAD_INPUTS = [
       "tokens", "lower task.eval_batch_size"]),
     ("feed-forward width larger than the memory", _larger_than_memory("model.hidden=2147483647"),
      2, ["lower model.hidden"]),
+    ("depth-parallel iterations larger than the memory", _larger_than_memory(
+        "discretisation.depth_parallel=parareal", "discretisation.iterations=2147483647"), 2,
+     ["2147483647 parareal iterations; roughly)", "lower discretisation.iterations"]),
     ("mesh.data=3 on one device", _mesh_larger_than_the_devices, 2,
      ["3 x 1 = 3 devices is larger than the 1 device of"]),
     ("bad --set syntax", _bad_set_syntax, 2, ["bad --set syntax"]),

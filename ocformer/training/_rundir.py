@@ -240,10 +240,15 @@ def batch_memory(config: Config) -> tuple[int, int]:
     """Rough bytes of one training batch ``(tokens, activations)``: its inputs and
     targets as int64, and the states a step keeps for the backward pass (per token,
     step and layer: queries, keys, values and output of width d, the feed-forward
-    hidden units and each head's attention row), in the model's dtype."""
+    hidden units and each head's attention row), in the model's dtype; under a
+    depth-parallel solve also the states at the chunk boundaries of every iteration."""
     t, m, d = config.task, config.model, config.discretisation
     tokens = t.batch_size * t.seq_len
     activations = tokens * m.num_layers * d.steps_per_layer * _per_token(config)
+    if d.depth_parallel is not None:  # every iteration's states at the chunk boundaries
+        chunks = m.num_layers if d.chunks is None else d.chunks
+        itemsize = 8 if m.dtype == "float64" else 4
+        activations += (d.iterations + 1) * (chunks + 1) * tokens * m.width * itemsize
     return 2 * 8 * tokens, activations
 
 
@@ -281,7 +286,7 @@ def memory_parts(config: Config) -> dict[str, int]:
 _SIZED_BY = {
     "training batch": ("task.batch_size", "task.seq_len", "model.num_layers",
                        "discretisation.steps_per_layer", "model.width", "model.hidden",
-                       "model.num_heads"),
+                       "model.num_heads", "discretisation.iterations"),
     "validation set": ("task.eval_batch_size", "task.eval_batches", "task.seq_len"),
     "parameters": ("model.width", "model.hidden", "model.num_layers", "controls.basis_size",
                    "task.vocab_size"),
@@ -317,7 +322,8 @@ def check_memory(config: Config, available: int | None = None) -> None:
     sizing = {f for k, v in parts.items() if v > total / 4 for f in _SIZED_BY[k]}
     field = max(sorted(sizing), key=scale)
     t, m = config.task, config.model
-    n = config.discretisation.steps_per_layer
+    n, d = config.discretisation.steps_per_layer, config.discretisation
+    depth = "" if d.depth_parallel is None else f", {d.iterations} {d.depth_parallel} iterations"
     if largest == "training batch":
         tokens, activations = batch_memory(config)
         what = (
@@ -325,7 +331,7 @@ def check_memory(config: Config, available: int | None = None) -> None:
             f"{tokens / _GIB:.1f} GiB for its tokens and {activations / _GIB:.1f} GiB for "
             f"the model's activations ({m.num_layers} layers, "
             f"{n} step{'s' * (n != 1)} per layer, width {m.width}, "
-            f"hidden {m.hidden}; roughly)"
+            f"hidden {m.hidden}{depth}; roughly)"
         )
     elif largest == "validation set":
         what = (
