@@ -150,6 +150,7 @@ def test_a_random_start_without_gpt2_s_architecture_is_refused_naming_it(sets, w
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow  # about 17 s on the idle 2-core machine
 def test_a_random_start_image_classifier_is_exported_as_vit(tmp_path):
     """A ViT trained two steps from a random start on the digits (grey 8x8 images, 2x2
     patches): ``ViTForImageClassification`` gives its logits (float32, 1e-5); built in
