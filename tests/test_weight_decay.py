@@ -115,7 +115,6 @@ def test_a_step_decays_the_matrices_as_adamw_and_the_rest_as_adam():
     assert 0 < decayed < len(before)
 
 
-@pytest.mark.slow  # about 15 s on the idle 2-core machine
 def test_under_bfloat16_compute_the_mask_reads_the_master_parameters():
     r"""``model.precision=bfloat16`` computes in bfloat16 and updates the float32
     masters: a step with ``matrices`` differs from one with ``all`` by the decay of the
