@@ -29,6 +29,7 @@ import errno
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 
 from ._cli import exit_with, fail
 from .checkpointing import CheckpointError
@@ -101,7 +102,8 @@ def export(
             started from no checkpoint and lacks GPT-2's or ViT's architecture (what
             it lacks named: an untied head, say), or ``to`` is, lies inside or holds the run
             itself, its dataset or a checkpoint of its chain of starts (which loading
-            and resuming the run read), or is a file.
+            and resuming the run read), or is a file, empty, or under a folder that
+            cannot be written; or writing it failed for want of permission or space.
         WorkdirError: not a work directory, or no such checkpoint.
         FileExistsError: ``to`` is a directory that ocformer did not write and is not
             empty, and ``overwrite`` is off. Nothing is written in any of these cases.
@@ -109,14 +111,14 @@ def export(
     workdir = os.fspath(workdir)
     if not os.fspath(to).strip():  # "" is the current directory to os.path, not "no path"
         raise ConfigError("--to", "is empty; give the directory to write the checkpoint to")
-    try:  # before the run is read: a destination that cannot take the export
-        check_destination(os.fspath(to), overwrite)
+    try:  # before the run is read: a path that can hold no export (not yet what it holds)
+        check_destination(os.fspath(to), overwrite=True)
     except ValueError as e:
         raise ConfigError("--to", str(e)) from None
     try:
         config, model, step = load_run_at(workdir, step, task_path=task_path)
     except ConfigError as e:
-        if e.field != "task.path":
+        if e.field != "task.path" or task_path is None:
             raise
         raise ConfigError(
             "--task-path", str(e).split(": ", 1)[1].replace("task.path", "it")
@@ -174,13 +176,45 @@ def export(
             to_pretrained(model, path, files=files, overwrite=overwrite, origin=origin)  # type: ignore[arg-type]
         except ValueError as e:
             raise ConfigError("--to", str(e)) from None
-        except (PermissionError, IsADirectoryError, NotADirectoryError) as e:
-            raise ConfigError("--to", f"{path} cannot be written ({e})") from None
         except OSError as e:
-            if e.errno not in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            if not _writing(e, path):
                 raise
             raise ConfigError("--to", f"{path} cannot be written ({e})") from None
     return path
+
+
+def _writing(error: OSError, path: str) -> bool:
+    """Whether ``error`` is a failure to write the export at ``path`` (no permission,
+    a read-only file system, no space): in it, in its staging sibling or in a folder
+    above it, rather than in reading a file copied into it."""
+    unwritable = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+    if error.errno not in unwritable:
+        return False
+    if not error.filename:
+        return True
+    where = os.path.abspath(os.fsdecode(error.filename))
+    parent, name = os.path.split(path)
+    if path.startswith(where.rstrip(os.sep) + os.sep):  # a folder above it
+        return True
+    top = os.path.relpath(where, parent).split(os.sep)[0]
+    return top == name or top.startswith(f".{name}.")
+
+
+def _starts(workdir: str) -> Iterator[tuple[str, dict]]:
+    """The chain of starts of the run in ``workdir`` as each ``run.json`` records it:
+    ``(source, record)`` of the checkpoint or work directory it started from, then of
+    that work directory's own start, and so on, up to a Hugging Face checkpoint; it
+    ends early at a record without a path or at a source met before."""
+    seen, run = {os.path.realpath(workdir)}, workdir
+    while isinstance(started := run_record(run, "init_from"), dict):
+        source = started.get("path")
+        if not isinstance(source, str) or os.path.realpath(source) in seen:
+            return
+        seen.add(os.path.realpath(source))
+        yield source, started
+        if started.get("kind") != "run":
+            return
+        run = source
 
 
 def _start_tokenizer_files(workdir: str, dataset: str | None) -> dict[str, str]:
@@ -189,18 +223,13 @@ def _start_tokenizer_files(workdir: str, dataset: str | None) -> dict[str, str]:
     with that very tokenizer (the same ``tokenizer.json``, by SHA-256); else none."""
     if dataset is None or not os.path.isfile(tokenizer := os.path.join(dataset, TOKENIZER_FILE)):
         return {}
-    seen, run = set(), workdir
-    while isinstance(started := run_record(run, "init_from"), dict):
-        source = started.get("path")
-        if not isinstance(source, str) or os.path.realpath(source) in seen:
-            return {}
-        seen.add(os.path.realpath(source))
-        if started.get("kind") != "run":
-            break
-        run = source
-    else:
-        return {}
+    chain = list(_starts(workdir))
+    if not chain or chain[-1][1].get("kind") == "run":
+        return {}  # no checkpoint began it (a random start, or a broken record)
+    source = chain[-1][0]
     theirs = os.path.join(source, TOKENIZER_FILE)
+    if not os.path.isfile(os.path.join(source, TOKENIZER_CONFIG_FILE)):
+        return {}  # no settings of its own: those _tokenizer_files writes
     if not os.path.isfile(theirs) or sha256_file(theirs) != sha256_file(tokenizer):
         return {}
     files = {TOKENIZER_FILE: tokenizer}
@@ -267,25 +296,19 @@ def _protected(workdir: str, config: Config) -> list[tuple[str, str]]:
     out = [(os.path.abspath(workdir), "the run's own work directory")]
     if config.task.path:
         out.append((os.path.abspath(config.task.path), "the run's dataset (task.path)"))
-    seen, run = {os.path.realpath(workdir)}, workdir
-    while isinstance(started := run_record(run, "init_from"), dict):
-        source = started.get("path")
-        if not isinstance(source, str) or os.path.realpath(source) in seen:
-            break
+    seen = {os.path.realpath(workdir)}
+    for i, (source, started) in enumerate(_starts(workdir)):
         seen.add(os.path.realpath(source))
         out.append((
             source,
-            ("the checkpoint this run started from" if run == workdir else
+            ("the checkpoint this run started from" if i == 0 else
              "a checkpoint in the chain of starts this run came from")
             + " (model.init_from), which loading and resuming it read",
         ))  # fmt: skip
-        if started.get("kind") != "run":
-            break
-        dataset = run_record(source, "dataset")
+        dataset = run_record(source, "dataset") if started.get("kind") == "run" else None
         if isinstance(dataset, dict) and isinstance(dataset.get("path"), str):
             out.append((dataset["path"], f"the dataset of {source}, a run in the chain of "
                         "starts this run came from, which rebuilding that run reads"))  # fmt: skip
-        run = source
     if config.model.init_from:  # resumed from another source than run.json records
         source = parse_source(config.model.init_from).path  # it loaded: it exists
         if os.path.realpath(source) not in seen:

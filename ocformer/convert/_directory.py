@@ -176,9 +176,10 @@ def check_destination(path: str, overwrite: bool) -> None:
     """Refuse a destination that holds anything but ocformer's own export.
 
     Raises:
-        ValueError: ``path``, or a folder above it, is a file; or ``path`` is a
-            symbolic link (the directory is replaced whole, by a rename, which would
-            replace the link and leave its target as it was).
+        ValueError: ``path`` is empty; ``path``, or a folder above it, is a file;
+            ``path`` is a symbolic link (the directory is replaced whole, by a rename,
+            which would replace the link and leave its target as it was); or the
+            folder it is written in cannot be written.
         FileExistsError: ``path`` is a directory that is not empty and is not an
             export of ocformer's (or holds files besides it), and ``overwrite`` is off.
     """

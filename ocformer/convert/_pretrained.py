@@ -233,6 +233,7 @@ def to_pretrained(
     check_standard(model.transformer, "to_pretrained")
     config = export_config(model)
     files = check_extra_files(files)
+    check_destination(os.fspath(path), overwrite=True)  # an empty path, before abspath
     path = os.path.abspath(os.fspath(path))
     recover_interrupted(path)
     check_destination(path, overwrite)
