@@ -4,8 +4,9 @@ or ``python -m ocformer.evaluate --config EXPERIMENT [--set field=value ...] [--
 Evaluates the trained model of a ``python -m ocformer.train`` work directory on its
 task's validation split, under its own discretisation or under another one given by
 ``--set`` (discretisation fields only: the trained controls are kept, the time stepper,
-step count and tolerances change; and ``task.eval_seed``, another set of validation
-windows, and ``task.path``, where a moved dataset is now). A thin wrapper over
+step count and tolerances change; the validation set's ``task.eval_seed``,
+``task.eval_batches`` and ``task.eval_batch_size``; and ``task.path``, where a moved
+dataset is now). A thin wrapper over
 ``ocformer.evaluation.evaluate_run``.
 
 With ``--config`` instead of a work directory it evaluates the model that
@@ -56,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         help=(
             "change one discretisation field (repeatable), e.g. "
             "--set discretisation.steps_per_layer=4; task.eval_seed=N draws the "
-            "validation windows with seed N, task.path=DIR names where the run's "
-            "dataset was moved; with --config, any field"
+            "validation windows with seed N (task.eval_batches, task.eval_batch_size: "
+            "their number and size), task.path=DIR names where the run's dataset was "
+            "moved; with --config, any field"
         ),
     )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

@@ -387,7 +387,7 @@ def test_invalid_point_is_named_with_its_field(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_evaluation_axis_must_be_a_discretisation_field(tmp_path):
+def test_evaluation_axis_must_be_a_discretisation_or_validation_set_field(tmp_path):
     msg = _refused(
         tmp_path,
         """
@@ -397,6 +397,18 @@ def test_evaluation_axis_must_be_a_discretisation_field(tmp_path):
     )
     assert "evaluation axis 'width'" in msg
     assert "model.width: evaluation may change only the discretisation" in msg
+    # The validation set is an evaluation's to choose: every seed's run measured on one.
+    path = write_sweep(
+        tmp_path,
+        "windows",
+        """
+        def get_sweep(arg=None):
+            return Sweep(experiment=EXPERIMENT, evaluate=[axis("task.eval_seed", [0])])
+        """,
+    )
+    sweep, path, _ = load_sweep(path)
+    _, points = resolve_points(sweep, path)
+    assert [[e.sets for e in p.evaluations] for p in points] == [[("task.eval_seed=0",)]]
 
 
 def test_workdir_holding_another_sweep_or_other_files(tmp_path):
@@ -562,6 +574,36 @@ def _fake_point(sweep_dir, point, val_losses, accs, status="done"):
             },
             f,
         )
+
+
+def test_a_failed_evaluation_runs_again_when_the_sweep_is_rerun(tmp_path, monkeypatch):
+    """A failed evaluation is recorded with its row's reason, and a rerun tries it
+    again, as it does a failed training (it counted as finished: the rerun said
+    "nothing to run" and exited 1 every time)."""
+    from ocformer.sweeping import _run
+
+    sweep_dir = str(tmp_path)
+    point = {
+        "name": "p",
+        "evaluations": [{"name": "m4", "sets": ["discretisation.steps_per_layer=4"]}],
+    }
+    _fake_point(sweep_dir, point, [2.0], [0.1])
+    failed = os.path.join(sweep_dir, "points", "p", "evaluations", "m4.json")
+    with open(failed, "w") as f:
+        json.dump({"status": "failed", "exit_code": 4, "error": "NonFiniteEvaluation"}, f)
+    assert not _run.is_finished(sweep_dir, point)
+    commands = []
+
+    def evaluated(command, log_path, env):
+        commands.append(command)
+        with open(command[command.index("--json") + 1], "w") as f:
+            json.dump({"val_loss": 1.5}, f)
+        return {"exit_code": 0, "error": None}
+
+    monkeypatch.setattr(_run, "_run_logged", evaluated)
+    status = _run.run_point(sweep_dir, point)
+    assert len(commands) == 1 and commands[0][-2:] == ["--set", "discretisation.steps_per_layer=4"]
+    assert _run.is_finished(sweep_dir, point) and not status["evaluation_failures"]
 
 
 def test_report_aggregates_over_seeds(tmp_path):

@@ -875,11 +875,11 @@ def test_an_evaluation_override_is_named_for_what_is_wrong_with_it(key, words):
     """A typo is a typo (with the nearest field), a field without its section is told
     its section, and only a real field outside the discretisation is "the trained
     problem"."""
-    from ocformer.evaluation._evaluate import check_discretisation_field
+    from ocformer.evaluation._evaluate import check_evaluation_field
 
     with pytest.raises(ConfigError, match=words.replace("?", r"\?")):
-        check_discretisation_field(key)
-    check_discretisation_field("discretisation.steps_per_layer")
+        check_evaluation_field(key)
+    check_evaluation_field("discretisation.steps_per_layer")
 
 
 def test_the_summarys_tensorboard_command_can_be_pasted_for_a_path_with_spaces(capsys):

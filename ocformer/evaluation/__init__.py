@@ -2,7 +2,7 @@
 
 from ._evaluate import (
     DISCRETISATION_SECTIONS as DISCRETISATION_SECTIONS,
-    check_discretisation_field as check_discretisation_field,
+    check_evaluation_field as check_evaluation_field,
     count_evaluations as count_evaluations,
     discretisation_of as discretisation_of,
     evaluate as evaluate,

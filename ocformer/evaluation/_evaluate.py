@@ -58,28 +58,35 @@ FOLLOWING_FIELDS: tuple[str, ...] = (
     *(f"discretisation.{name}" for name in DEPTH_PARALLEL_ONLY),
     "mesh.depth",
 )
-# The config section that describes how the equation is discretised (nothing else may
-# change between training and evaluation).
+# The config section that describes how the equation is discretised (with the
+# validation set, all that may change between training and evaluation).
 DISCRETISATION_SECTIONS: tuple[str, ...] = ("discretisation",)
 
 
 DEPTH_SOLVE_FIELD = "discretisation.depth_parallel"
-# The one field outside the discretisation an evaluation takes: where the run's dataset
-# directory is now, when it was moved (it must hold the same files).
+# Besides those, evaluate_run takes where the run's dataset directory is now, when it
+# was moved (it must hold the same files).
 MOVED_FIELD = "task.path"
-# And the seed of the validation windows: which set a run is measured on, not what it
-# learned (runs of different train.seed compare on one set when each sets it alike).
-WINDOWS_FIELD = "task.eval_seed"
+# The fields outside the discretisation that choose the validation set: which windows a
+# run is measured on, not what it learned (runs of different train.seed compare on one
+# set when each is evaluated with the same task.eval_seed).
+VALIDATION_SET_FIELDS: tuple[str, ...] = (
+    "task.eval_seed",
+    "task.eval_batches",
+    "task.eval_batch_size",
+)
 
 
-def check_discretisation_field(key: str) -> None:
-    """Refuse an evaluation-time change of anything but the discretisation.
+def check_evaluation_field(key: str) -> None:
+    """Refuse an evaluation-time change of anything but the discretisation and the
+    validation set (``VALIDATION_SET_FIELDS``).
 
     Raises:
-        ConfigError: ``key`` is not in a discretisation section.
+        ConfigError: ``key`` is neither.
     """
-    if key.split(".", 1)[0] not in DISCRETISATION_SECTIONS:
+    if key.split(".", 1)[0] not in DISCRETISATION_SECTIONS and key not in VALIDATION_SET_FIELDS:
         allowed = ", ".join(f"{s}.*" for s in DISCRETISATION_SECTIONS)
+        windows = ", ".join(VALIDATION_SET_FIELDS)
         defaults = to_dict(Config())
         for section in DISCRETISATION_SECTIONS:
             if key in defaults[section]:  # a field of the section, given without it
@@ -87,8 +94,9 @@ def check_discretisation_field(key: str) -> None:
         check_keys(key)  # an unknown section or field, with the nearest one
         raise ConfigError(
             key,
-            f"evaluation may change only the discretisation ({allowed}); {key} changes the "
-            "trained problem itself. Train a new run to change it.",
+            f"evaluation may change only the discretisation ({allowed}) and the "
+            f"validation set ({windows}); {key} changes the trained problem itself. Train a "
+            "new run to change it.",
         )
 
 
@@ -326,8 +334,8 @@ def evaluate_start(config: Config) -> dict:
 
 def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None = None) -> dict:
     """Evaluate the trained run in ``workdir`` under its discretisation changed by
-    ``overrides`` (``"section.field=value"``: discretisation fields, ``task.eval_seed``
-    for another set of validation windows, ``task.path`` for a moved dataset). A trained
+    ``overrides`` (``"section.field=value"``: discretisation fields, those of the
+    validation set, ``VALIDATION_SET_FIELDS``, and ``task.path`` for a moved dataset). A trained
     gradient method, depth-parallel costate or MGRIT relaxation that the new
     discretisation does not take is replaced by its default (``evaluation_config``),
     unless ``overrides`` set it.
@@ -360,8 +368,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
     moved = [o for o in overrides if o.split("=", 1)[0].strip() == MOVED_FIELD]
     changes = [o for o in overrides if o not in moved]
     for text in changes:
-        if text.split("=", 1)[0].strip() != WINDOWS_FIELD:
-            check_discretisation_field(text.split("=", 1)[0].strip())
+        check_evaluation_field(text.split("=", 1)[0].strip())
     task_path = None
     for text in moved:
         task_path = parse_override(text)[1]

@@ -28,7 +28,7 @@ from ..config import (
     to_dict,
     validate as validate_config,
 )
-from ..evaluation import check_discretisation_field, evaluation_config
+from ..evaluation import check_evaluation_field, evaluation_config
 from ..training import build
 from ._spec import SEED_FIELD, Axis, Sweep, SweepError, experiment_path, format_value
 
@@ -123,7 +123,7 @@ def _check_axis(sweep_path: str, ax: Axis, kind: str) -> None:
             where = f"{sweep_path}: {kind} axis {ax.name!r}, value {label!r}"
             if kind == "evaluation":
                 try:
-                    check_discretisation_field(field)
+                    check_evaluation_field(field)
                 except ConfigError as e:
                     raise SweepError(where, str(e)) from None
             _check_value(where, field, value)

@@ -150,7 +150,12 @@ def is_finished(sweep_dir: str, point: dict) -> bool:
     if read_status(path).get("status") != "done":
         return False
     names = [TRAINED, *(e["name"] for e in point["evaluations"])]
-    return all(os.path.isfile(evaluation_file(path, n)) for n in names)
+    return all(_evaluated(evaluation_file(path, n)) for n in names)
+
+
+def _evaluated(file: str) -> bool:
+    """An evaluation's result is there (a failed one's record runs again)."""
+    return os.path.isfile(file) and _json_or_empty(file).get("status") != "failed"
 
 
 def child_env(sweep_dir: str) -> dict:
@@ -335,7 +340,7 @@ def run_point(sweep_dir: str, point: dict) -> dict:
     evaluations = [{"name": TRAINED, "sets": []}, *point["evaluations"]]
     for e in evaluations:
         out = evaluation_file(path, e["name"])
-        if os.path.isfile(out) or _stopping["signal"] is not None:
+        if _evaluated(out) or _stopping["signal"] is not None:
             continue
         command = [
             sys.executable,
@@ -350,11 +355,12 @@ def run_point(sweep_dir: str, point: dict) -> dict:
         result = _run_logged(command, os.path.join(path, "evaluate.log"), env)
         if result["exit_code"] != 0 and _stopping["signal"] is not None:
             continue  # stopped, not failed: it runs again when the sweep is resumed
+        failures = status.setdefault("evaluation_failures", {})
+        failures.pop(e["name"], None)  # an earlier try's
         if result["exit_code"] != 0:
-            failures = status.setdefault("evaluation_failures", {})
             failures[e["name"]] = {"exit_code": result["exit_code"], "error": result["error"]}
-            # A failed evaluation is recorded as such, so that the point counts as
-            # finished and its row says why.
+            # A failed evaluation is recorded as such, so that its row says why; a
+            # rerun of the sweep tries it again, as it does a failed training.
             atomic_write_text(
                 out,
                 json.dumps(
@@ -558,7 +564,10 @@ def run_local(
         progress.start(run_dir(sweep_dir, name), checkpoint_step(sweep_dir, name) or 0)
         t = time.perf_counter()
         status = run_point(sweep_dir, point)
-        progress.finish(status.get("status", "failed"), time.perf_counter() - t)
+        state = status.get("status", "failed")
+        if state == "done" and status.get("evaluation_failures"):
+            state = "failed"  # trained, and an evaluation failed
+        progress.finish(state, time.perf_counter() - t)
         return status
 
     pool = ThreadPoolExecutor(max_workers=parallel)
