@@ -600,6 +600,9 @@ def test_fields_the_run_would_not_read_are_listed_with_why():
         "train.msa_rho": "train.method=gradient runs no MSA iteration",
         "train.msa_ternary_step": "train.method=gradient runs no MSA iteration",
     }
+    # Under MSA the optimiser section is unused, and kept so that one file serves both
+    # methods: not listed (nor given a gradient optimiser's reason).
+    assert unread_fields(resolve(SMOKE, ["train.method=msa", "optimiser.momentum=0.9"])) == {}
     # Read where the mode reads them.
     assert unread_fields(resolve(SMOKE, [
         "optimiser.name=sgd", "optimiser.momentum=0.9", "controls.kind=basis",

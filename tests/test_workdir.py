@@ -16,7 +16,7 @@ from _faults import flip_bytes, nan_at_update
 
 from ocformer import train as cli
 from ocformer.checkpointing import MARKER, CheckpointManager
-from ocformer.config import resolve
+from ocformer.config import ConfigError, resolve
 from ocformer.training import (
     RUN_MARKER,
     ConfigChanged,
@@ -188,6 +188,23 @@ def _larger_than_memory(*sets):
         return argv(tmp_path / "run", *sets), tmp_path
 
     return case
+
+
+def test_the_memory_refusal_names_a_field_that_would_make_the_largest_part_fit():
+    """Among the fields the run reads that size its largest part, the one whose default
+    shrinks that part most: not a field of a smaller part further above its default,
+    nor one the run does not read (basis_size under piecewise-constant controls)."""
+    from ocformer.training._rundir import check_memory
+
+    for sets, field in [
+        (["model.width=4000", "task.eval_batches=100000"], "model.width"),
+        (["controls.basis_size=20000", "model.width=20000"], "model.width"),
+        (["model.hidden=2147483647"], "model.hidden"),
+        (["task.batch_size=100000", "task.seq_len=1024"], "task.batch_size"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            check_memory(resolve(SMOKE, sets), available=2**30)
+        assert e.value.field == field and str(e.value).endswith(f"lower {field}"), sets
 
 
 def _mesh_larger_than_the_devices(tmp_path, reference):

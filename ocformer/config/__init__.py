@@ -20,6 +20,7 @@ from ._schema import (
     OptimiserConfig as OptimiserConfig,
     TaskConfig as TaskConfig,
     TrainConfig as TrainConfig,
+    field_value as field_value,
     to_dict as to_dict,
 )
 from ._validate import (

@@ -406,6 +406,12 @@ class Config:
 SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
 
 
+def field_value(config: Config, dotted: str) -> Any:
+    """The value of the field ``section.name`` of ``config``."""
+    section, name = dotted.split(".")
+    return getattr(getattr(config, section), name)
+
+
 def to_dict(config: Config) -> dict:
     """The configuration as nested plain data (tuples become lists), for JSON."""
     return dataclasses.asdict(config)

@@ -11,6 +11,7 @@ of its history.
 """
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -30,7 +31,15 @@ from ..checkpointing import (
     atomic_write_text,
     remove_stale_temporaries,
 )
-from ..config import Config, ConfigError, as_recorded, is_set, to_dict, unread_task_options
+from ..config import (
+    Config,
+    ConfigError,
+    as_recorded,
+    field_value,
+    is_set,
+    to_dict,
+    unread_task_options,
+)
 from ..distributed import wait_timeout_s
 from ..tasks import dataset_identity
 from ._errors import DATASET_CHANGE, ConfigChanged, WorkdirError
@@ -247,16 +256,20 @@ def batch_memory(config: Config) -> tuple[int, int]:
     activations = tokens * m.num_layers * d.steps_per_layer * _per_token(config)
     if d.depth_parallel is not None:  # every iteration's states at the chunk boundaries
         chunks = m.num_layers if d.chunks is None else d.chunks
-        itemsize = 8 if m.dtype == "float64" else 4
-        activations += (d.iterations + 1) * (chunks + 1) * tokens * m.width * itemsize
+        boundaries = (d.iterations + 1) * (chunks + 1) * tokens * m.width
+        activations += boundaries * _itemsize(config)
     return 2 * 8 * tokens, activations
+
+
+def _itemsize(config: Config) -> int:
+    """Bytes of one number of the model's dtype (its master parameters)."""
+    return 8 if config.model.dtype == "float64" else 4
 
 
 def _per_token(config: Config) -> int:
     """Bytes of one token's states in one step (``batch_memory``)."""
     m = config.model
-    itemsize = 8 if m.dtype == "float64" else 4
-    return (4 * m.width + m.hidden + m.num_heads * config.task.seq_len) * itemsize
+    return (4 * m.width + m.hidden + m.num_heads * config.task.seq_len) * _itemsize(config)
 
 
 def memory_parts(config: Config) -> dict[str, int]:
@@ -277,17 +290,18 @@ def memory_parts(config: Config) -> dict[str, int]:
     return {
         "training batch": tokens + activations,
         "validation set": held + forward,
-        "parameters": 4 * params * (8 if m.dtype == "float64" else 4),
+        "parameters": 4 * params * _itemsize(config),
     }
 
 
-# The fields that size each of memory_parts, with their defaults' scale: the refusal
-# names the one furthest above it.
+# The fields that size each of memory_parts: the refusal names the one whose default
+# would shrink the largest part most.
 _SIZED_BY = {
     "training batch": ("task.batch_size", "task.seq_len", "model.num_layers",
                        "discretisation.steps_per_layer", "model.width", "model.hidden",
                        "model.num_heads", "discretisation.iterations"),
-    "validation set": ("task.eval_batch_size", "task.eval_batches", "task.seq_len"),
+    "validation set": ("task.eval_batch_size", "task.eval_batches", "task.seq_len",
+                       "model.width", "model.hidden", "model.num_heads"),
     "parameters": ("model.width", "model.hidden", "model.num_layers", "controls.basis_size",
                    "task.vocab_size"),
 }  # fmt: skip
@@ -299,9 +313,9 @@ def check_memory(config: Config, available: int | None = None) -> None:
     error part-way into the run).
 
     Raises:
-        ConfigError: naming the field furthest above its default among those that
-            size the largest part (``task.batch_size`` for a training batch), with the
-            estimate and the memory available.
+        ConfigError: naming the field, among those the run reads that size the largest
+            part, whose default would shrink that part most (``task.batch_size`` for a
+            large batch), with the estimate and the memory available.
     """
     available = available_memory() if available is None else available
     if available is None:
@@ -311,16 +325,17 @@ def check_memory(config: Config, available: int | None = None) -> None:
     if total <= available:
         return
     largest = max(parts, key=lambda k: parts[k])
-    default = Config()
+    default, unread = Config(), {f"task.{o}" for o in unread_task_options(config.task.name)}
+    if config.controls.kind != "basis":
+        unread.add("controls.basis_size")
 
-    def scale(dotted: str) -> float:
+    def at_default(dotted: str) -> int:  # the largest part with this field at its default
         section, name = dotted.split(".")
-        return getattr(getattr(config, section), name) / getattr(getattr(default, section), name)
+        value = field_value(default, dotted)
+        changed = dataclasses.replace(getattr(config, section), **{name: value})
+        return memory_parts(dataclasses.replace(config, **{section: changed}))[largest]
 
-    # A field that sizes every part (model.hidden, say) is named even where another
-    # part is the largest; one of a small part is not.
-    sizing = {f for k, v in parts.items() if v > total / 4 for f in _SIZED_BY[k]}
-    field = max(sorted(sizing), key=scale)
+    field = min((f for f in _SIZED_BY[largest] if f not in unread), key=at_default)
     t, m = config.task, config.model
     n, d = config.discretisation.steps_per_layer, config.discretisation
     depth = "" if d.depth_parallel is None else f", {d.iterations} {d.depth_parallel} iterations"
