@@ -126,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     if args_list[:1] == ["report"]:
         directory = _report_parser().parse_args(args_list[1:]).dir
-        if not directory.strip():
-            return fail(_PROGRAM, 2, "report: the sweep directory is an empty path")
         try:
             result = report(directory)
         except SweepError as e:
@@ -139,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(args_list)
     if (problem := _unread_options(args)) is not None:
         return fail(_PROGRAM, 2, problem)
-    if not args.workdir.strip():  # os.path would read it as the current directory
-        return fail(_PROGRAM, 2, "--workdir is an empty path; give the sweep directory")
     slurm = {
         "partition": args.partition,
         "time_min": args.time_min,

@@ -757,8 +757,8 @@ BAD_COMMAND_LINES = [
     ("sweep --onl", _sweep_with("--onl", "layers=1"), 2, ["unrecognized arguments: --onl"]),
     # An empty path is not the current directory (a sweep would start there).
     ("sweep --workdir ''", _sweep_here(str(SWEEPS / "smoke.py"), "--workdir", "", "--dry-run"),
-     2, ["--workdir is an empty path"]),
-    ("sweep report ''", _sweep_here("report", ""), 2, ["the sweep directory is an empty path"]),
+     2, ["--workdir: is an empty path"]),
+    ("sweep report ''", _sweep_here("report", ""), 2, ["the sweep directory: is an empty path"]),
     ("sweep slurm --parallel", _sweep_with("--launcher", "slurm", "--parallel", "2"), 2,
      ["--parallel is the number of local worker processes, which --launcher slurm does not "
       "read"]),

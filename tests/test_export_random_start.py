@@ -103,6 +103,19 @@ def test_a_tied_random_start_is_exported_as_gpt2_with_its_tokenizer(
     assert list(theirs_ids) == np.asarray(ours_ids).tolist() and len(theirs_ids) == 9
 
 
+def test_to_pretrained_refuses_an_empty_path(tmp_path, monkeypatch):
+    """An empty path is no directory (made absolute it was the current one, which
+    ``overwrite=True`` replaced whole)."""
+    from ocformer.convert import to_pretrained
+
+    config = resolve(SMOKE, [*SMALL, "model.readout=tied", "task.name=copy"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="to_pretrained needs the path of a directory"):
+        to_pretrained(build(config).model, "", overwrite=True)
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
 def test_float64_export_of_a_built_model_is_gpt2_to_rounding(tmp_path):
     """Scalar LayerNorm gains and biases (one per layer) are written as GPT-2's
     per-feature ones; the tanh GELU as ``gelu_new``. Logits to 1e-12 against

@@ -111,7 +111,7 @@ def test_start_reproduces_the_checkpoint_loss(experiment, gpt2):
     assert exp.model.tied and exp.model.embedding.tokens.dtype == jnp.float64
     assert exp.init_from["kind"] == "checkpoint" and exp.init_from["step"] is None
     assert list(exp.init_from["sha256"]) == ["model.safetensors"]
-    batches = exp.task.eval_batches(c.task.eval_batch_size, c.task.eval_batches, c.train.seed)
+    batches = exp.task.eval_batches(c.task.eval_batch_size, c.task.eval_batches, c.eval_seed)
     reference = np.mean([hf_loss(hf, b["inputs"], b["targets"]) for b in batches])
     ours = evaluate(c, exp.model, exp.task)["val_loss"]
     assert abs(ours - reference) / reference < 1e-12, (ours, reference)
@@ -342,9 +342,10 @@ def test_the_export_never_replaces_a_start_of_the_chain_or_the_dataset(
         ("ds", "is the run's dataset (task.path)"),
         ("ds_a", f"is the dataset of {tmp_path / 'a'}, a run in the chain of starts"),
     ]:
-        argv = [str(tmp_path / "b"), "--to", str(tmp_path / to), "--overwrite"]
-        assert export_cli.main(argv) == 2
-        assert words in capsys.readouterr().err
+        for overwrite in (["--overwrite"], []):  # without it: no advice to give it
+            argv = [str(tmp_path / "b"), "--to", str(tmp_path / to), *overwrite]
+            assert export_cli.main(argv) == 2
+            assert words in (err := capsys.readouterr().err) and "pass --overwrite" not in err
     assert {d: sorted(os.listdir(tmp_path / d)) for d in kept} == before
     assert export_cli.main([str(tmp_path / "b"), "--to", str(tmp_path / "hf")]) == 0
 
@@ -530,7 +531,7 @@ def test_evaluate_config_reports_the_start_in_any_discretisation(
     assert f"ocformer: evaluated the start of {experiment} at step 0" in said
     c = config(experiment, *start)
     task = build(c).task
-    batches = list(task.eval_batches(c.task.eval_batch_size, c.task.eval_batches, c.train.seed))
+    batches = list(task.eval_batches(c.task.eval_batch_size, c.task.eval_batches, c.eval_seed))
     losses = [hf_loss(gpt2[1], b["inputs"], b["targets"]) for b in batches]
     assert abs(out["lie"]["val_loss"] - float(np.mean(losses))) < 1e-12
     assert abs(out["strang"]["val_loss"] - out["lie"]["val_loss"]) > 1e-3

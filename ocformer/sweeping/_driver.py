@@ -40,12 +40,18 @@ def _recorded_id(file: str) -> str | None:
     return held if isinstance(held, str) else None
 
 
+def _refuse_empty(workdir: str) -> None:
+    if not workdir.strip():  # os.path would read it as the current directory
+        raise SweepError("--workdir", "is an empty path; give the sweep directory")
+
+
 def check_workdir(workdir: str, ident: str) -> None:
     """Refuse a work directory that holds another sweep or something else.
 
     Raises:
         SweepError: naming the directory, what it holds and the fix.
     """
+    _refuse_empty(workdir)
     if not os.path.exists(workdir):
         return
     if not os.path.isdir(workdir):
@@ -214,6 +220,7 @@ def run_sweep(
         raise SweepError("--launcher", f"expected local or slurm, got {launcher!r}")
     if launcher == "slurm" and not dry_run:
         require_slurm()  # before the points are built
+    _refuse_empty(workdir)  # before it is made absolute
     workdir = os.path.abspath(workdir)
     sweep, info, todo = plan(spec, workdir=workdir, seeds=seeds, only=only, argv=argv)
     # Checked whether or not a point is left to run (a bad option is bad either way).

@@ -96,6 +96,8 @@ def read_sweep_info(sweep_dir: str) -> dict:
         SweepError: the file is missing, is not JSON (a write cut short) or lacks what
             a sweep writes; the message names the file and the fix.
     """
+    if not sweep_dir.strip():  # os.path would read it as the current directory
+        raise SweepError("the sweep directory", "is an empty path; give the sweep directory")
     file = os.path.join(sweep_dir, SWEEP_FILE)
     if not os.path.isfile(file):
         raise SweepError(sweep_dir, f"is not a sweep directory (no {SWEEP_FILE})")

@@ -469,7 +469,11 @@ def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
     record of its source over)."""
     if is_primary():
         for field, why in unread_fields(config).items():
-            print(f"ocformer: warning: {field} is set but not read: {why}", file=sys.stderr)
+            print(
+                f"ocformer: warning: {field} is set but not read: {why}",
+                file=sys.stderr,
+                flush=True,
+            )
     if run.resumable():
         return build_from_own_checkpoint(config, run.path, mesh=layout.mesh)
     exp = build(config, mesh=layout.mesh)
