@@ -44,7 +44,10 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="run only the points with this axis value (repeatable; field or axis name)",
+        help=(
+            "run only the points with this axis value (field or axis name; repeatable: "
+            "the points with every value given)"
+        ),
     )
     p.add_argument("--dry-run", action="store_true", help="show the points (and job script)")
     p.add_argument(
