@@ -133,6 +133,7 @@ def test_command_writes_json(tmp_path, capsys):
     assert main(["convergence", "--schemes", "rk4"]) == 2
 
 
+@pytest.mark.slow  # about 17 s on the 2-core machine
 def test_a_refused_step_count_leaves_the_scheme_s_other_counts_computed():
     """The rules refuse an implicit solver below 4 steps per layer: that count is
     skipped (with the reason, in the JSON and the table), the scheme's other counts are

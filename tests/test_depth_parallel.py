@@ -204,7 +204,10 @@ def _fcf_and_f_errors(init_scale, inputs):
     return errors
 
 
-@pytest.mark.parametrize("init_scale", [0.3, 1.0])
+@pytest.mark.parametrize(
+    "init_scale",
+    [pytest.param(0.3, marks=pytest.mark.slow), 1.0],  # 0.3: about 20 s
+)
 def test_fcf_is_exact_after_half_the_iterations_and_falls_faster_than_f(init_scale, inputs):
     errors = _fcf_and_f_errors(init_scale, inputs)
     (f_total, _), scale = errors["F"]

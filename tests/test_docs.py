@@ -21,10 +21,16 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
+# The longest blocks (15 to 27 s each on the 2-core machine) run in the slow tier.
+SLOW_BLOCKS = {"README.md#1", "README.md#2", "docs/pretrained.md#0"}
+
+
 def _blocks():
     for path in DOCS:
         for i, match in enumerate(BLOCK.finditer(path.read_text(encoding="utf-8"))):
-            yield pytest.param(match.group(1), id=f"{path.relative_to(ROOT)}#{i}")
+            name = f"{path.relative_to(ROOT)}#{i}"
+            marks = [pytest.mark.slow] if name in SLOW_BLOCKS else []
+            yield pytest.param(match.group(1), id=name, marks=marks)
 
 
 def test_docs_have_python_blocks():

@@ -400,10 +400,8 @@ class _GridSolves:
         return float(value), float(tangent)
 
 
-@pytest.mark.parametrize(
-    "jump_ts",
-    [True, pytest.param(False, marks=pytest.mark.slow)],  # False: about 16 s on 2 cores
-)
+@pytest.mark.slow  # 16 to 25 s each on the 2-core machine
+@pytest.mark.parametrize("jump_ts", [True, False])
 def test_under_pid_steps_each_gradient_is_exact_on_the_grid_its_program_chose(monkeypatch, jump_ts):
     """Under PID steps the step-size controller's choices carry no derivative (diffrax
     stops their gradients), so a gradient is that of the loss on a fixed grid; the
