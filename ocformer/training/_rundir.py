@@ -38,6 +38,7 @@ from ..config import (
     field_value,
     is_set,
     to_dict,
+    unread_fields,
     unread_task_options,
 )
 from ..distributed import wait_timeout_s
@@ -272,6 +273,12 @@ def _per_token(config: Config) -> int:
     return (4 * m.width + m.hidden + m.num_heads * config.task.seq_len) * _itemsize(config)
 
 
+def _symbols(config: Config) -> int:
+    """``task.vocab_size`` where the task reads it (the synthetic tasks), else 0."""
+    t = config.task
+    return 0 if "vocab_size" in unread_task_options(t.name) else t.vocab_size
+
+
 def memory_parts(config: Config) -> dict[str, int]:
     """Rough bytes of a run's three largest holdings: the training batch with the
     activations its step keeps (``batch_memory``), the validation set (every batch held
@@ -285,8 +292,8 @@ def memory_parts(config: Config) -> dict[str, int]:
     forward = t.eval_batch_size * t.seq_len * _per_token(config)
     layers = {"piecewise_linear": m.num_layers + 1, "basis": c.basis_size, "constant": 1}
     copies = layers.get(c.kind, m.num_layers)
-    vocab = t.vocab_size if "vocab_size" not in unread_task_options(t.name) else 0
-    params = copies * (4 * m.width * m.width + 2 * m.width * m.hidden) + 2 * vocab * m.width
+    params = copies * (4 * m.width * m.width + 2 * m.width * m.hidden)
+    params += 2 * _symbols(config) * m.width
     return {
         "training batch": tokens + activations,
         "validation set": held + forward,
@@ -325,9 +332,7 @@ def check_memory(config: Config, available: int | None = None) -> None:
     if total <= available:
         return
     largest = max(parts, key=lambda k: parts[k])
-    default, unread = Config(), {f"task.{o}" for o in unread_task_options(config.task.name)}
-    if config.controls.kind != "basis":
-        unread.add("controls.basis_size")
+    default, unread = Config(), unread_fields(config)  # basis_size off basis controls
 
     def at_default(dotted: str) -> int:  # the largest part with this field at its default
         section, name = dotted.split(".")
@@ -355,7 +360,7 @@ def check_memory(config: Config, available: int | None = None) -> None:
             f"{m.width}, hidden {m.hidden}), needs about {parts[largest] / _GIB:.1f} GiB"
         )
     else:
-        symbols = "" if "vocab_size" in unread_task_options(t.name) else f", {t.vocab_size} symbols"
+        symbols = f", {t.vocab_size} symbols" if _symbols(config) else ""
         what = (
             f"the parameters (width {m.width}, hidden {m.hidden}, {m.num_layers} layers"
             f"{symbols}) "
