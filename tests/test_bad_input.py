@@ -473,6 +473,32 @@ PREPARE_REFUSALS = [
     ("out-the-current-directory", lambda t: [
         "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "char", "--out", "."],
      r"--out \. is the current directory or holds it; preparing replaces the directory whole"),
+    ("a-hard-link-of-a-file-given", lambda t: [
+        "--input", _file(t, "in/a.txt", _GOOD), _hard_link(t / "in/a.txt", t / "in/b.txt"),
+        "--tokenizer", "char"],
+     r"--input .*in/b\.txt is given twice \(as .*in/a\.txt\)"),
+    ("two-files-of-the-same-contents", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), _file(t, "b.txt", b"xyz " * 300),
+        _file(t, "copy.txt", _GOOD), "--tokenizer", "char"],
+     r"--input .*a\.txt and .*copy\.txt have the same contents \(SHA-256 [0-9a-f]{12}\.\.\.\)"),
+    ("input-inside-out", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), _dataset_file(t / "ds", "tokenizer.json"),
+        "--tokenizer", "char", "--out", str(t / "ds")],
+     r"--input .*ds/tokenizer\.json is inside --out .*ds, which preparing replaces whole"),
+    ("binary-file", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), _file(t, "b.bin", b"ab \x00\x01" * 300),
+        "--tokenizer", "char"],
+     r"b\.bin: a NUL byte at byte offset 3: it is a binary file, not text"),
+    ("a-directory", lambda t: [
+        "--input", os.path.dirname(_file(t, "dir/a.txt", _GOOD)), "--tokenizer", "char"],
+     r"--input .*dir is a directory; give its files, e\.g\. --input '.*dir/\*\*/\*\.txt'"),
+    ("glob-matching-directories-only", lambda t: [
+        "--input", os.path.dirname(os.path.dirname(_file(t, "g/sub/a.txt", _GOOD))) + "/*",
+        "--tokenizer", "char"],
+     r"--input '.*g/\*' matches no file \(only the directories .*g/sub\)"),
+    ("bpe-digits-of-another-script", lambda t: [
+        "--input", _file(t, "a.txt", _GOOD), "--tokenizer", "bpe:\u0663\u0660\u0660"],
+     r"--tokenizer 'bpe:.*': N must be an integer between 256"),
     ("file-given-twice-by-two-flags", lambda t: [
         "--input", _file(t, "in/a.txt", _GOOD), "--input", f"{t}/in/*.txt",
         "--tokenizer", "char"],
@@ -484,6 +510,17 @@ def _dataset_with(directory, name: str) -> str:
     prepare_text([_file(directory.parent, "c.txt", _GOOD)], "char", directory, progress=False)
     (directory / name).write_text("mine")
     return str(directory)
+
+
+def _hard_link(target, link) -> str:
+    os.link(target, link)
+    return str(link)
+
+
+def _dataset_file(directory, name: str) -> str:
+    prepare_text([_file(directory.parent, "c.txt", b"ghi jkl " * 150)], "char", directory,
+                 progress=False)  # fmt: skip
+    return str(directory / name)
 
 
 def _link(directory) -> str:

@@ -318,3 +318,26 @@ def test_the_bias_checks_of_a_run_do_not_stop_its_serial_evaluation_config():
     )  # fmt: skip
     serial = evaluation_config(trained, ["discretisation.depth_parallel=none"])
     assert serial.discretisation.depth_parallel is None
+
+
+@pytest.mark.slow
+def test_a_resume_whose_metrics_lost_records_warns_that_the_fallback_state_is_unknown(
+    tmp_path, capsys
+):
+    """The depth fallback's state is replayed from metrics.jsonl; with the file gone
+    the resume took the configured solve without a word, though a fallback may have
+    changed it. It says so now; a run whose rule cannot fire does not."""
+    common = [*PARAREAL, "train.checkpoint_every=2", "train.steps=2"]
+    for name, rule in (("watched", ["train.depth_fallback=serial",
+                                    "train.depth_fallback_cosine=0.5",
+                                    "train.depth_bias_every=2"]), ("unwatched", [])):  # fmt: skip
+        run = str(tmp_path / name)
+        train(resolve(SMOKE64, [*common, *rule]), run)
+        os.remove(os.path.join(run, "metrics.jsonl"))
+        capsys.readouterr()
+        train(resolve(SMOKE64, [*common, *rule, "train.steps=3"]), run, allow_config_change=True)
+        err = capsys.readouterr().err
+        said = "the depth fallback's state (train.depth_fallback) is read from metrics.jsonl"
+        assert (said in err) == (name == "watched"), err
+        if name == "watched":
+            assert "the solve resumes with 1 iteration, which may not be how the run solved" in err

@@ -694,6 +694,8 @@ def test_a_corpus_of_another_tokenizer_than_the_starts_is_warned_of(
            "task.name=tokens", f"task.path={tmp_path / 'other'}", "train.steps=1")  # fmt: skip
     err = capsys.readouterr().err
     assert warned in err and f"the dataset that {runs['same']} trained on" in err, err
+    # The file to prepare with is named (it said "that tokenizer.json").
+    assert f"prepare the corpus with --tokenizer {tmp_path / 'same' / 'tokenizer.json'}" in err
     # The same tokenizer saved again (another file, the same id -> symbol table): the
     # ids mean what the model learned, and no warning is given.
     from tokenizers import Tokenizer
@@ -708,7 +710,20 @@ def test_a_corpus_of_another_tokenizer_than_the_starts_is_warned_of(
     capsys.readouterr()
     _train(experiment, tmp_path / "again", f"model.init_from={resaved}", "task.name=tokens",
            f"task.path={tmp_path / 'own'}", "train.steps=1")  # fmt: skip
-    assert warned not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert warned not in err and "cannot be checked" not in err
+    # A checkpoint without a tokenizer.json: nothing to compare with, which is said
+    # (it trained without a word).
+    capsys.readouterr()
+    _train(experiment, tmp_path / "unchecked", f"model.init_from={gpt2[0]}", "task.name=tokens",
+           f"task.path={tmp_path / 'own'}", "train.steps=1")  # fmt: skip
+    err = capsys.readouterr().err
+    assert (
+        f"the start {gpt2[0]} holds no tokenizer.json, so whether the ids of the dataset at "
+        f"task.path {tmp_path / 'own'} (tokenizer.json SHA-256 "
+        in err
+        and "name the symbols the model learned cannot be checked" in err
+    ), err
 
 
 def test_an_exported_tokenizer_is_read_by_autotokenizer_as_the_task_reads_it(

@@ -693,7 +693,7 @@ def test_a_run_pins_its_dataset(corpus, tmp_path, capsys):
     assert config.task.path == str(moved)
 
 
-def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monkeypatch):
+def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monkeypatch, capsys):
     """A run started with a relative task.path (as the shipped experiments give) is
     read from anywhere: its readers take the path relative to the directory the run
     was started in (run.json's cwd), not to theirs."""
@@ -717,6 +717,16 @@ def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monk
     config, _ = load_run(tmp_path / "run")
     assert config.task.path == str(tmp_path / "data")
     assert evaluate_run(str(tmp_path / "run"))["step"] == 1
+    # Its command given again from here names the run's dataset (it said only that
+    # task.path data does not exist).
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"task.path data is relative: from this directory it names {elsewhere / 'data'}, "
+        f"which does not exist, but run started in {tmp_path}, where it names the run's "
+        f"dataset {tmp_path / 'data'}; resume from that directory, or give --set "
+        f"task.path={tmp_path / 'data'}" in err
+    ), err
 
 
 def test_input_given_more_than_once_reads_every_file_in_order(tmp_path):
@@ -735,3 +745,106 @@ def test_input_given_more_than_once_reads_every_file_in_order(tmp_path):
         str((tmp_path / n).resolve()) for n in ("a.txt", "b.txt")
     ]
     assert manifests[0]["splits"] == manifests[1]["splits"]
+
+
+def test_a_glob_passes_over_the_directories_it_matches(tmp_path):
+    """``--input 'data/*'`` with a folder among the matches reads the files (the
+    folder was refused as "not a regular file", the whole corpus with it)."""
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    _write(tmp_path / "in" / "a.txt", _text(300, 0))
+    _write(tmp_path / "in" / "b.txt", _text(300, 1))
+    manifest = prepare_text([str(tmp_path / "in" / "*")], "char", tmp_path / "ds", progress=False)
+    assert [os.path.basename(s["path"]) for s in manifest["sources"]] == ["a.txt", "b.txt"]
+
+
+def test_a_file_changed_while_it_is_prepared_is_refused(tmp_path, monkeypatch):
+    """The character alphabet is read in a first pass: a file that gains a character
+    before the second (encoding) pass was written as id 65535 (the table's -1 cast to
+    uint16) with exit 0; it is refused, and nothing is written."""
+    from ocformer.tasks import _dataset
+
+    corpus = _write(tmp_path / "a.txt", _text(400, 0))
+    made = _dataset.char_tokenizer
+
+    def then_edited(symbols):
+        with open(corpus, "a", encoding="utf-8") as f:
+            f.write(" naïve €")
+        return made(symbols)
+
+    monkeypatch.setattr(_dataset, "char_tokenizer", then_edited)
+    with pytest.raises(ValueError, match=r"a\.txt changed while it was prepared"):
+        prepare_text([str(corpus)], "char", tmp_path / "ds", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_a_tokenizer_that_leaves_much_of_the_corpus_unknown_is_warned_of(tmp_path, capsys):
+    """A word-level tokenizer that knows 3 of the corpus's 10 words writes its unknown
+    token for most of it: the preparation says how much (it was silent); one that
+    covers the corpus gets no warning."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    corpus = _write(tmp_path / "a.txt", _text(2000, 0))
+    words = sorted({w.strip() for w in WORDS if w.strip()})
+    for name, known in (("few", words[:3]), ("all", words)):
+        tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(known)}},
+                                         unk_token="[UNK]"))  # fmt: skip
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.save(str(tmp_path / f"{name}.json"))
+        capsys.readouterr()
+        prepare_text([str(corpus)], str(tmp_path / f"{name}.json"), tmp_path / name,
+                     progress=False)  # fmt: skip
+        ids = np.concatenate([_ids(tmp_path / name, f) for f in ("train.bin", "val.bin")])
+        share = np.mean(ids == 0)
+        err = capsys.readouterr().err
+        if name == "few":
+            assert share > 0.5
+            assert f"of the corpus's {ids.size} tokens ({share:.1%}) are its unknown token " \
+                   "'[UNK]'" in err, err  # fmt: skip
+        else:
+            assert share == 0 and "unknown token" not in err
+
+
+def test_an_unreadable_input_or_dataset_is_named_not_a_traceback(tmp_path, monkeypatch):
+    """As a user without read permission sees them (``os.access`` and ``open`` refused
+    here: the suite may run as root, whom permissions do not stop)."""
+    from ocformer.tasks import open_dataset, verify_dataset
+
+    corpus = _write(tmp_path / "a.txt", _text(400, 0))
+    prepare_text([str(corpus)], "char", tmp_path / "ds", progress=False)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: str(p) != str(corpus)
+                        and real_access(p, mode, **kw))  # fmt: skip
+    with pytest.raises(ValueError, match=r"--input .*a\.txt: this user cannot read it"):
+        prepare_text([str(corpus)], "char", tmp_path / "ds2", progress=False)
+    import builtins
+
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):
+        if str(file).endswith("val.bin"):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    for read in (open_dataset, verify_dataset):
+        with pytest.raises(ValueError, match=r"ds/val\.bin cannot be read \(Permission denied\)"):
+            read(tmp_path / "ds")
+
+
+def test_bpe_trains_on_long_runs_without_spaces_in_bounded_pieces(tmp_path):
+    """A run of characters without white space is cut for the BPE trainer (whose time
+    grows with the square of a word's length) into pieces of at most ``BPE_MAX_RUN``
+    characters that join to the text; the corpus still decodes back exactly."""
+    from ocformer.tasks._tokenizer import BPE_MAX_RUN, bounded_runs
+
+    texts = ["ab cd", "x" * (2 * BPE_MAX_RUN + 5) + " yy", "", "z" * BPE_MAX_RUN]
+    pieces = list(bounded_runs(texts))
+    assert "".join(pieces) == "".join(texts)
+    assert max(len(p) for p in pieces) == BPE_MAX_RUN
+    assert [len(p) for p in bounded_runs(["x" * 10], run=4)] == [4, 4, 2]
+    text = "ACGT" * 5000 + "\n"  # DNA: 20,000 characters in one run
+    _write(tmp_path / "dna.txt", text)
+    prepare_text([str(tmp_path / "dna.txt")], "bpe:300", tmp_path / "ds", progress=False)
+    tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
+    ids = np.concatenate([_ids(tmp_path / "ds", f) for f in ("train.bin", "val.bin")])
+    assert len(tok.get_vocab()) > 256 and tok.decode(ids.tolist()) == text

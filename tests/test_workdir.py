@@ -241,6 +241,22 @@ def _other_shape(tmp_path, reference):
     return argv(d, "model.width=32", flags=["--allow-config-change"]), d
 
 
+def _other_method(tmp_path, reference):
+    d = copy_of(reference, tmp_path)
+    return argv(d, "train.method=msa", flags=["--allow-config-change"]), d
+
+
+def _a_file_of_the_run_not_writable(tmp_path, reference, monkeypatch):
+    """As a user who may not write metrics.jsonl sees it (os.access answers no: the
+    suite may run as root, whom permissions do not stop). The start-up check looked at
+    the directory only: the run trained, then failed at its first log write, exit 1."""
+    d = copy_of(reference, tmp_path)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, **kw: not str(p).endswith("metrics.jsonl")
+                        and access(p, m, **kw))  # fmt: skip
+    return argv(d, "train.steps=16", flags=["--allow-config-change"]), d
+
+
 def _config_json_deleted_and_changed(tmp_path, reference):
     d = copy_of(reference, tmp_path)
     os.remove(d / "config.json")
@@ -334,6 +350,12 @@ BAD_INPUTS = [
      [f"step_{STEPS} is corrupted", "orbax cannot read it"]),
     ("checkpoint of another model shape", _other_shape, 2,
      ["does not match the configured model", "16]", "32]"]),
+    ("resume under another train.method", _other_method, 2,
+     ["it was written by a different configuration", "train.method, one alters what the "
+      "run's checkpoints hold", "train in a new --workdir with --set model.init_from="]),
+    ("a file of the run not writable", _a_file_of_the_run_not_writable, 2,
+     ["cannot be resumed:", "metrics.jsonl is not writable by this user, and the run writes "
+      "to it"]),
     ("config.json deleted, resumed with other numerics", _config_json_deleted_and_changed, 2,
      ["model.activation: 'gelu' -> 'relu'", "optimiser.learning_rate: 0.003 -> 0.01",
       "--allow-config-change"]),
@@ -359,7 +381,7 @@ def test_bad_input(case, code, words, reference, tmp_path, monkeypatch, capsys):
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
-    if case is _nan_before_checkpoint:
+    if case in (_nan_before_checkpoint, _a_file_of_the_run_not_writable):
         args, keep = case(work, reference, monkeypatch)
     else:
         args, keep = case(work, reference)

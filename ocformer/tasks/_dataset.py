@@ -69,6 +69,7 @@ from ._tokenizer import (
     load_tokenizer,
     read_tokenizer,
     unencodable,
+    unknown_id,
 )
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ VALIDATION_FRACTION = 0.1
 SPLIT_SEARCH_FRACTION = 0.01
 SPLIT_SEARCH_MIN = 4096
 CHUNK_BYTES = 1 << 20
+UNKNOWN_WARN = 0.01  # prepare warns when more of the corpus's tokens are the unknown one
 MAX_CHUNKS = 8
 # Open checks the full SHA-256 and id range of .bin files up to this total size (well
 # under a second); larger datasets get the size check on open, the range check on each
@@ -118,44 +120,86 @@ def dtype_for(vocab_size: int) -> np.dtype:
 
 def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
     """The files of ``patterns`` (paths or globs, each glob's matches sorted), in order.
-    A pattern that names an existing file is that file, glob characters or not.
+    A pattern that names an existing file is that file, glob characters or not; the
+    directories a glob matches (``data/*`` matching ``data/sub``) are passed over.
 
     Raises:
-        CorpusError: a pattern matching nothing, a path that is not a file, an empty file,
-            a file given twice (its text would be trained on twice).
+        CorpusError: a pattern matching no file, a path that is not a file, an empty or
+            unreadable file, a file given twice (by two paths or links to it; its text
+            would be trained on twice), or two files of the same contents (validation
+            text would also be training text).
     """
     if not patterns:
         raise CorpusError("--input: give at least one text file or glob")
     files: list[pathlib.Path] = []
-    seen: dict[pathlib.Path, str] = {}  # resolved path -> the pattern that gave it
+    seen: dict[tuple[int, int], tuple[pathlib.Path, str]] = {}  # (device, inode) -> given
     for pattern in patterns:
         # A file named with glob characters ("notes [v2].txt") is that file, not a glob.
-        if glob.has_magic(pattern) and not os.path.isfile(pattern):
-            matches = sorted(glob.glob(pattern, recursive=True))
+        globbed = glob.has_magic(pattern) and not os.path.isfile(pattern)
+        if globbed:
+            found = sorted(glob.glob(pattern, recursive=True))
+            matches = [m for m in found if not os.path.isdir(m)]
             if not matches:
                 raise CorpusError(
-                    f"--input {pattern!r} matches no file, and no file has that name; "
-                    "in a glob, * ? and [...] are wildcards: to match them literally, "
-                    f"write [*] [?] [[] (glob.escape gives {glob.escape(pattern)!r})"
+                    f"--input {pattern!r} matches no file"
+                    + (f" (only the directories {', '.join(found[:3])})" if found else "")
+                    + ", and no file has that name; in a glob, * ? and [...] are wildcards: "
+                    f"to match them literally, write [*] [?] [[] (glob.escape gives "
+                    f"{glob.escape(pattern)!r})"
                 )
         else:
             matches = [pattern]
         for match in matches:
             path = pathlib.Path(match)
+            by = f" (matched by {pattern!r}: narrow the glob)" if globbed else ""
             if not path.exists():
                 raise CorpusError(f"--input {path}: no such file")
+            if path.is_dir():
+                raise CorpusError(
+                    f"--input {path} is a directory; give its files, e.g. --input "
+                    f"'{glob.escape(str(path))}/**/*.txt' (quoted: the glob is expanded here)"
+                )
             if not path.is_file():
                 raise CorpusError(f"--input {path}: not a regular file")
-            if path.stat().st_size == 0:
-                raise CorpusError(f"--input {path}: the file is empty; remove it from --input")
-            if path.resolve() in seen:
+            if not os.access(path, os.R_OK):
+                raise CorpusError(f"--input {path}: this user cannot read it (permission denied)")
+            stat = path.stat()
+            if stat.st_size == 0:
+                raise CorpusError(f"--input {path}: the file is empty{by}; remove it from --input")
+            key = (stat.st_dev, stat.st_ino)
+            if key in seen:
+                first, by_first = seen[key]
+                also = "" if first.resolve() == path.resolve() else f" (as {first})"
                 raise CorpusError(
-                    f"--input {path} is given twice (by {seen[path.resolve()]!r} and by "
+                    f"--input {path} is given twice{also} (by {by_first!r} and by "
                     f"{pattern!r}); give each file once"
                 )
-            seen[path.resolve()] = pattern
+            seen[key] = (path, pattern)
             files.append(path)
+    _refuse_equal_contents(files)
     return files
+
+
+def _refuse_equal_contents(files: Sequence[pathlib.Path]) -> None:
+    """Refuse two files of the same bytes (a copy kept beside its original): one may
+    fall in training and the other in validation, whose loss would then measure text
+    that was trained on. Only files of equal size are read."""
+    by_size: dict[int, list[pathlib.Path]] = {}
+    for f in files:
+        by_size.setdefault(f.stat().st_size, []).append(f)
+    for same_size in by_size.values():
+        if len(same_size) < 2:
+            continue
+        by_hash: dict[str, pathlib.Path] = {}
+        for f in same_size:
+            digest = sha256_file(f)
+            if digest in by_hash:
+                raise CorpusError(
+                    f"--input {by_hash[digest]} and {f} have the same contents (SHA-256 "
+                    f"{digest[:12]}...): one could be validation text that the other puts "
+                    "in training; give one of them"
+                )
+            by_hash[digest] = f
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +212,11 @@ class Piece:
     offset: int
 
     def text(self) -> str:
+        if (nul := self.data.find(b"\0")) >= 0:
+            raise CorpusError(
+                f"{self.file}: a NUL byte at byte offset {self.offset + nul}: it is a binary "
+                "file, not text (a prepared dataset's .bin, say); give text files only"
+            )
         try:
             return self.data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -450,7 +499,14 @@ def prepare_text(
     out = pathlib.Path(out)
     check_out(out)
     out = pathlib.Path(os.path.abspath(out))  # "data/.." has a parent, "." a name
-    total = sum(f.stat().st_size for f in files)
+    for f in files:
+        if out.resolve() in f.resolve().parents:
+            raise CorpusError(
+                f"--input {f} is inside --out {out}, which preparing replaces whole; "
+                "give the corpus from outside the dataset directory"
+            )
+    sizes = {f: f.stat().st_size for f in files}
+    total = sum(sizes.values())
 
     def bar(desc: str):
         return tqdm(
@@ -511,13 +567,16 @@ def prepare_text(
                 for s, name in SPLIT_FILES.items()
             }
             sources = {f: hashlib.sha256() for f in files}
+            unk_id, unknown = unknown_id(tok), 0
             with bar("encoding") as b:
                 for piece in stream_pieces(files, encode_bytes, b.update):
                     sources[piece.file].update(piece.data)
                     text = piece.text()
                     if table is not None:
                         codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-                        ids = table[codes]
+                        ids = table[np.minimum(codes, len(table) - 1)]
+                        if np.any((codes >= len(table)) | (ids < 0)):
+                            raise CorpusError(_changed(piece.file))  # not in the alphabet
                     else:
                         try:
                             ids = encode(tok, text)
@@ -525,8 +584,13 @@ def prepare_text(
                             why = _cannot_encode(piece.file, tokenizer, tok, text, e)
                             raise CorpusError(why) from None
                     writers[piece.split].write(ids)
+                    if unk_id is not None:
+                        unknown += int(np.count_nonzero(ids == unk_id))
                     b.set_postfix(tokens=sum(w.tokens for w in writers.values()), refresh=False)
             splits = {s: w.finish() for s, w in writers.items()}
+        for f in files:
+            if f.stat().st_size != sizes[f]:
+                raise CorpusError(_changed(f))
         for s, record in splits.items():
             if not record["tokens"]:
                 size = f"{total} byte" + ("" if total == 1 else "s")
@@ -534,11 +598,22 @@ def prepare_text(
                     f"--input: the corpus ({size}) gives no {s} tokens: it is too short "
                     "to split; give more text"
                 )
+        tokens = sum(r["tokens"] for r in splits.values())
+        if unk_id is not None and unknown > UNKNOWN_WARN * tokens:
+            print(
+                f"ocformer: warning: {tokenizer}: {unknown} of the corpus's {tokens} tokens "
+                f"({unknown / tokens:.1%}) are its unknown token "
+                f"{tok.id_to_token(unk_id)!r}: the tokenizer does not cover this text "
+                "well; a model trained on it learns to predict that token (char or bpe:N "
+                "are made from the corpus)",
+                file=sys.stderr,
+                flush=True,
+            )
         manifest = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "sources": [
-                {"path": str(f.resolve()), "bytes": f.stat().st_size, "sha256": h.hexdigest()}
+                {"path": str(f.resolve()), "bytes": sizes[f], "sha256": h.hexdigest()}
                 for f, h in sources.items()
             ],
             "tokenizer": {
@@ -594,6 +669,13 @@ def _scratch(out: pathlib.Path) -> pathlib.Path:
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
     return tmp
+
+
+def _changed(file: pathlib.Path) -> str:
+    return (
+        f"--input {file} changed while it was prepared (its text differs from the first "
+        "reading); prepare again once nothing writes to it"
+    )
 
 
 def _cannot_encode(file: pathlib.Path, spec: str, tok: Tokenizer, text: str, err) -> str:
@@ -775,14 +857,15 @@ def open_dataset(path: str | os.PathLike) -> Dataset:
         DatasetError: not a dataset directory, or a file that does not match the manifest.
     """
     path = pathlib.Path(path)
-    manifest = _manifest(path)
-    tokenizer = _check_files(path, manifest)
-    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
-    if sum(int(r["tokens"]) for r in manifest["splits"].values()) * dtype.itemsize <= (
-        FULL_CHECK_BYTES
-    ):
-        _check_contents(path, manifest)
-    splits = {s: np.memmap(path / n, dtype=dtype, mode="r") for s, n in SPLIT_FILES.items()}
+    with _readable():
+        manifest = _manifest(path)
+        tokenizer = _check_files(path, manifest)
+        dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+        if sum(int(r["tokens"]) for r in manifest["splits"].values()) * dtype.itemsize <= (
+            FULL_CHECK_BYTES
+        ):
+            _check_contents(path, manifest)
+        splits = {s: np.memmap(path / n, dtype=dtype, mode="r") for s, n in SPLIT_FILES.items()}
     return Dataset(path, manifest, int(manifest["vocab_size"]), dtype, splits, tokenizer)
 
 
@@ -793,7 +876,8 @@ def dataset_identity(path: str | os.PathLike) -> dict | None:
     (opening the dataset reports that)."""
     path = pathlib.Path(path)
     try:
-        manifest = _manifest(path)
+        with _readable():
+            manifest = _manifest(path)
     except (DataNotFoundError, DatasetError):
         return None
     splits = manifest["splits"]
@@ -812,7 +896,23 @@ def verify_dataset(path: str | os.PathLike) -> dict:
         DataNotFoundError, DatasetError: as ``open_dataset``.
     """
     path = pathlib.Path(path)
-    manifest = _manifest(path, label="")
-    _check_files(path, manifest)
-    _check_contents(path, manifest)
+    with _readable():
+        manifest = _manifest(path, label="")
+        _check_files(path, manifest)
+        _check_contents(path, manifest)
     return manifest
+
+
+@contextlib.contextmanager
+def _readable() -> Iterator[None]:
+    """A dataset file that cannot be read (its permissions, a failing disk) raises
+    ``DatasetError`` naming it, as a corrupted one does."""
+    try:
+        yield
+    except DataNotFoundError:
+        raise
+    except OSError as e:
+        raise DatasetError(
+            f"{e.filename or 'a dataset file'} cannot be read ({e.strerror or e}); give "
+            "this user read access to the dataset directory"
+        ) from None

@@ -18,8 +18,10 @@ The ``tokenizers`` library is imported by the functions that use it, so that
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -31,6 +33,7 @@ TOKENIZER_FILE = "tokenizer.json"
 TokenizerKind = Literal["char", "bpe", "file"]
 BPE_MIN = 256  # the byte alphabet: a BPE of 256 symbols has no merges
 BPE_MAX = 1 << 24
+BPE_MAX_RUN = 1024  # the longest run of characters without white space a BPE trains on
 
 
 class TokenizerSpecError(ValueError):
@@ -56,7 +59,7 @@ class TokenizerSpec:
             return cls("char")
         if text.startswith("bpe:"):
             n = text[4:]
-            if not (n.isdigit() and BPE_MIN <= int(n) <= BPE_MAX):
+            if not (n.isascii() and n.isdigit() and BPE_MIN <= int(n) <= BPE_MAX):
                 raise TokenizerSpecError(
                     f"--tokenizer {text!r}: N must be an integer between {BPE_MIN} (the "
                     f"byte alphabet, no merges) and {BPE_MAX}, e.g. bpe:4096"
@@ -144,7 +147,12 @@ def char_table(tokenizer: Tokenizer) -> np.ndarray:
 def bpe_tokenizer(texts: Iterable[str], size: int) -> Tokenizer:
     """A byte-level BPE of ``size`` symbols trained on ``texts`` (streamed: the trainer
     keeps word counts, not the texts). A corpus with fewer distinct pairs than merges
-    asked for gives fewer symbols; the manifest records the real vocabulary size."""
+    asked for gives fewer symbols; the manifest records the real vocabulary size.
+
+    The trainer's time grows with the square of a word's length, so a run of more than
+    ``BPE_MAX_RUN`` characters without white space (minified code, DNA, text in a script
+    written without spaces) is trained on in pieces of that length (``bounded_runs``):
+    only the pairs that straddle a cut go uncounted."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -156,8 +164,21 @@ def bpe_tokenizer(texts: Iterable[str], size: int) -> Tokenizer:
         special_tokens=[],
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator(bounded_runs(texts), trainer=trainer)
     return tok
+
+
+def bounded_runs(texts: Iterable[str], run: int | None = None) -> Iterator[str]:
+    """``texts`` with every run of more than ``run`` (default ``BPE_MAX_RUN``)
+    characters that are not white space cut after each ``run`` of them: the pieces,
+    joined, are the texts."""
+    cut = re.compile(rf"\S{{{BPE_MAX_RUN if run is None else run}}}")
+    for text in texts:
+        start = 0
+        for m in cut.finditer(text):
+            yield text[start : m.end()]
+            start = m.end()
+        yield text[start:]
 
 
 def id_range(tokenizer: Tokenizer) -> int:
@@ -178,6 +199,13 @@ def unencodable(tokenizer: Tokenizer, text: str) -> str | None:
         except Exception:  # tokenizers raises a bare Exception
             return c
     return None
+
+
+def unknown_id(tokenizer: Tokenizer) -> int | None:
+    """The id of ``tokenizer``'s unknown token (what its model, word-level, word-piece
+    or BPE, writes for a piece it lacks), or None if it has none."""
+    name = json.loads(tokenizer.to_str()).get("model", {}).get("unk_token")
+    return None if name is None else tokenizer.token_to_id(name)
 
 
 def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:

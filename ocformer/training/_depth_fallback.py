@@ -38,10 +38,16 @@ class DepthFallback:
         self.action, self.cosine = train.depth_fallback, train.depth_fallback_cosine
         self.patience = train.depth_fallback_patience
         self.iterations = 0 if method is None else method.iterations
+        self.iterations_at_start = self.iterations
         if method is not None:
             chunks = method.num_chunks(model.transformer.num_layers)
             self.exact = chunks if method.relaxation == "F" else math.ceil(chunks / 2)
         self.best, self.stalled = math.inf, 0
+
+    @property
+    def watches(self) -> bool:
+        """Whether the rule can fire in this run (a depth-parallel solve, an action)."""
+        return self.action != "none" and self.iterations_at_start > 0
 
     @property
     def parallel(self) -> bool:

@@ -324,16 +324,26 @@ def tokenizer_mismatch(config: Config, task) -> str | None:
     """Why ``task``'s ids may not mean what the start of ``config``
     (``model.init_from``) learned: it reads a dataset prepared with another tokenizer
     than the source's (the ``tokenizer.json`` of a Hugging Face directory, or the
-    dataset tokenizer a source run recorded). None when they agree, either is unknown,
-    or there is no start. Not a refusal: a checkpoint may be trained on other symbols
-    on purpose, its embedding rows then taking new meanings. ``ocformer.train`` (on a
+    dataset tokenizer a source run recorded), or a Hugging Face start has no
+    ``tokenizer.json`` to compare with. None when they agree, when a source run's is
+    unknown, or when there is no start. Not a refusal: a checkpoint may be trained on
+    other symbols on purpose, its embedding rows then taking new meanings. ``ocformer.train`` (on a
     fresh start) and ``ocformer.evaluate --config`` warn with it."""
     if config.model.init_from is None or not isinstance(task, Tokens):
         return None
     source = parse_source(config.model.init_from)
+    ours = task.dataset.manifest["tokenizer"]["sha256"]
     if source.kind == "checkpoint":
         file = os.path.join(source.path, TOKENIZER_FILE)
-        theirs = _sha256(file) if os.path.isfile(file) else None
+        if not os.path.isfile(file):
+            return (
+                f"the start {source.path} holds no {TOKENIZER_FILE}, so whether the ids of "
+                f"the dataset at task.path {task.dataset.path} (tokenizer.json SHA-256 "
+                f"{ours[:12]}) name the symbols the model learned cannot be checked. To "
+                "fine-tune on the model's own symbols, prepare the corpus with --tokenizer "
+                "set to the tokenizer.json it was trained with"
+            )
+        theirs = _sha256(file)
         where = file
     else:
         recorded = run_record(source.path, "dataset")
@@ -344,7 +354,6 @@ def tokenizer_mismatch(config: Config, task) -> str | None:
             file = os.path.join(recorded["path"], TOKENIZER_FILE)
             if not os.path.isfile(file) or _sha256(file) != theirs:
                 file = None  # that dataset was prepared again, or has gone
-    ours = task.dataset.manifest["tokenizer"]["sha256"]
     if theirs is None or theirs == ours:
         return None
     mine = os.path.join(task.dataset.path, TOKENIZER_FILE)
@@ -355,7 +364,14 @@ def tokenizer_mismatch(config: Config, task) -> str | None:
         f"(tokenizer.json SHA-256 {ours[:12]}) than the start's ({where}: {theirs[:12]}), "
         "so its ids name other symbols than the model learned. To fine-tune on the "
         "model's own symbols, prepare the corpus with --tokenizer "
-        f"{source.path if source.kind == 'checkpoint' else 'that tokenizer.json'}"
+        + (
+            source.path
+            if source.kind == "checkpoint"
+            else file
+            if file is not None
+            else f"set to the tokenizer.json of the dataset {source.path} trained on "
+            "(prepared again or gone since)"
+        )
     )
 
 

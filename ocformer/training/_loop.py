@@ -503,6 +503,18 @@ def _start(exp: Experiment, config: Config, run: RunDirectory, layout: Layout, c
     fallback = DepthFallback(tc, model)
     if resumed_from is not None:  # the solve that earlier fallbacks left
         fallback.replay(run.metrics.read(), step)
+        if run.records_missing and fallback.watches and is_primary():
+            k = fallback.iterations
+            solve = f"with {k} iteration{'' if k == 1 else 's'}" if k else "serially"
+            print(
+                "ocformer: warning: the depth fallback's state (train.depth_fallback) is "
+                "read from metrics.jsonl, which misses records of this run: the solve "
+                f"resumes {solve}, which may not be how the run solved at step "
+                f"{step}. If a fallback had fired, give its solve (discretisation.iterations, "
+                "or discretisation.depth_parallel=none) with --allow-config-change",
+                file=sys.stderr,
+                flush=True,
+            )
         model, old = fallback.solve(model), model
         opt_state = carry_state(opt_state, old, model)
     opt_state = with_schedule(opt_state, config.optimiser, tc.steps)

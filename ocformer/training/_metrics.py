@@ -199,8 +199,10 @@ class TensorBoard:
         for key, value in record.items():
             if key == "step" or isinstance(value, str | bool):
                 continue
-            summary = self._summary.scalar(key, float(value))
-            self._event(self._pb.Event(summary=summary, step=step))
+            # The Summary itself: tensorboardX's scalar() logs a warning for each NaN
+            # (a run that skips non-finite updates logs them on purpose).
+            value = self._summary.Summary.Value(tag=key, simple_value=float(value))
+            self._event(self._pb.Event(summary=self._summary.Summary(value=[value]), step=step))
         self._flush(due=False)
 
     def text(self, step: int, tag: str, text: str) -> None:

@@ -140,11 +140,23 @@ def dataset_missing(workdir: str, config: Config) -> str | None:
     if run_dataset(config) is not None or not isinstance(recorded, dict):
         return None
     path = config.task.path
+    if config.task.name != "tokens" or path is None:
+        return None
+    started = run_record(workdir, "cwd")
     if (
-        config.task.name != "tokens"
-        or path is None
-        or recorded.get("path") != os.path.realpath(path)
+        not os.path.isabs(os.path.expanduser(path))
+        and not os.path.exists(path)
+        and isinstance(started, str)
+        and os.path.realpath(os.path.join(started, path)) == recorded.get("path")
+        and dataset_identity(recorded["path"]) is not None
     ):
+        return (
+            f"task.path {path} is relative: from this directory it names "
+            f"{os.path.abspath(path)}, which does not exist, but {workdir} started in "
+            f"{started}, where it names the run's dataset {recorded['path']}; resume from "
+            f"that directory, or give --set task.path={recorded['path']}"
+        )
+    if recorded.get("path") != os.path.realpath(path):
         return None
     try:
         files = f" (SHA-256 prefixes: {_describe_dataset(recorded)})"
@@ -225,6 +237,16 @@ def _same_place(stored, new, stored_cwd: str | None) -> bool:
         return False
     then = os.path.join(stored_cwd, os.path.expanduser(stored))
     return os.path.realpath(then) == os.path.realpath(os.path.expanduser(new))
+
+
+def _unwritable(path: str) -> str:
+    """Why ``path``, which ``os.access`` found not writable, is not."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "is on a read-only file system"
+    except OSError:
+        pass
+    return "is not writable by this user"
 
 
 _GIB = float(2**30)
@@ -434,6 +456,8 @@ class RunDirectory:
         self.samples_path = os.path.join(self.path, "samples.txt")
         self.tb_path = os.path.join(self.path, "tb")
         self.metrics = MetricsLog(os.path.join(self.path, "metrics.jsonl"))
+        # Whether a resume found records of the run missing from metrics.jsonl.
+        self.records_missing = False
         self.checkpoints: CheckpointManager | None = None
         self.checkpoint: str | None = None  # the newest committed checkpoint
         self._tb: TensorBoard | None = None
@@ -449,7 +473,9 @@ class RunDirectory:
     # -- inspecting (changes nothing) ------------------------------------------------
 
     def _check_writable(self) -> None:
-        """The directory, or the nearest existing folder above it, can be written."""
+        """The directory, or the nearest existing folder above it, can be written; so
+        can what a run in it writes to (its files and folders, and the checkpoints'),
+        so that a resume does not train for an hour and then fail at its first write."""
         probe = self.path
         while not os.path.exists(probe):
             parent = os.path.dirname(probe)
@@ -463,9 +489,26 @@ class RunDirectory:
         if not os.access(probe, os.W_OK | os.X_OK):
             what = "is not writable" if probe == self.path else "cannot be created"
             raise WorkdirError(
-                f"work directory {self.path} {what}: {probe} is not writable by this user; "
-                "choose another --workdir or change its permissions"
+                f"work directory {self.path} {what}: {probe} {_unwritable(probe)}; choose "
+                "another --workdir or change its permissions"
             )
+        if probe != self.path:
+            return
+        checkpoints = os.path.join(self.path, "checkpoints")
+        for folder in (self.path, checkpoints):
+            try:
+                names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+            except OSError:
+                continue  # check() names a directory that cannot be read
+            for name in names:
+                path = os.path.join(folder, name)
+                need = os.W_OK | (os.X_OK if os.path.isdir(path) else 0)
+                if not os.path.islink(path) and not os.access(path, need):
+                    raise WorkdirError(
+                        f"work directory {self.path} cannot be resumed: {path} "
+                        f"{_unwritable(path)}, and the run writes to it; change its "
+                        "permissions (chown or chmod), or choose another --workdir"
+                    )
 
     def check(self, config: Config, *, allow_config_change: bool = False) -> dict[str, tuple]:
         """Inspect the directory for a run of ``config``; nothing is written.
@@ -620,7 +663,20 @@ class RunDirectory:
                 f"{self.checkpoints.directory} (never committed): {', '.join(removed)}"
             )
         self._barrier("ocformer:rundir:claimed")
-        step, restored = self._restore(template)
+        try:
+            step, restored = self._restore(template)
+        except (CorruptedCheckpoint, ChecksumMismatch):
+            raise
+        except CheckpointError as e:
+            if not changes:
+                raise
+            raise CheckpointError(
+                f"{e} (Of the configuration changes at this resume, {', '.join(changes)}, "
+                "one alters what the run's checkpoints hold, so the run cannot go on under "
+                "it; to "
+                "continue from its parameters, train in a new --workdir with --set "
+                f"model.init_from={self.path}.)"
+            ) from None
         if not self.primary:
             return step, restored
         if self._config_recovered_from is not None:
@@ -787,7 +843,9 @@ class RunDirectory:
             _warn(warning)
         records = self.metrics.read()
         last = records[-1]["step"] if records else 0
+        self.records_missing = False
         if step is not None and last < step - config.train.log_every:
+            self.records_missing = True
             _warn(
                 f"{self.metrics.path} ends at step {last} but the restored checkpoint is "
                 f"step {step}: the records of steps {last + 1}..{step} are missing from the "
@@ -799,6 +857,7 @@ class RunDirectory:
         steps = [0, *(r["step"] for r in records)]
         gaps = [(a + 1, b - 1) for a, b in zip(steps, steps[1:]) if b - a > every]
         if gaps:
+            self.records_missing = True
             named = ", ".join(f"{a}..{b}" for a, b in gaps[:3]) + (", ..." if len(gaps) > 3 else "")
             _warn(
                 f"{self.metrics.path} has no records of steps {named}, which the run "
