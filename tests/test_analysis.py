@@ -126,6 +126,12 @@ def test_gradient_check_refuses_bad_arguments_and_takes_a_flat_loss():
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match=r"directions must be a whole number >= 1"):
             gradient_check(lambda m: m(_u0()).sum(), model, directions=bad)
+    # A float32 model: its differences at h = 1e-5 are rounding (every exact method
+    # was reported 85 % off a run's trained model).
+    from ocformer.objective import in_precision
+
+    with pytest.raises(ValueError, match=r"needs the controls in float64, got float32: "):
+        gradient_check(lambda m: m(_u0()).sum(), in_precision(model, jnp.float32))
     flat = gradient_check(
         lambda m: 0.0 * m(_u0()).sum(), model, methods=["discretise_then_optimise"], directions=1
     )
@@ -230,6 +236,11 @@ def test_discretisation_study_order_of_heun():
     assert 1.7 < slope < 2.3, heun
     assert heun[-1]["loss_gap"] < heun[0]["loss_gap"]
     assert study["results"]["lie 8"]["u_distance"] > heun[1]["u_distance"]
+    # {} is the model as it is (rediscretise refused it).
+    same = model.transformer.discretisation
+    own = discretisation_study(model, _batch(), {"own": {}, "same": same},
+                               {"steps_per_layer": 8})  # fmt: skip
+    assert own["results"]["own"]["loss"] == own["results"]["same"]["loss"]
 
 
 def test_token_similarity_against_numpy():

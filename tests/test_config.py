@@ -622,3 +622,20 @@ def test_a_recorded_serial_run_with_a_fallback_condition_is_read():
         validate(from_dict(stored))
     read = validate(from_dict(as_recorded(stored)))
     assert (read.train.depth_fallback_patience, read.train.depth_fallback_cosine) == (0, None)
+
+
+def test_an_evaluation_under_a_diffrax_solver_drops_the_trained_sub_solver():
+    """A run trained under Strang with a midpoint sub-solver, evaluated under tsit5:
+    its sub-solver gives way (it was refused: "Leave sub_solver=euler", a field the
+    user never gave); given with the new stepper, it is still refused."""
+    from ocformer.evaluation import evaluation_config
+
+    trained = resolve(
+        SMOKE, ["discretisation.stepper=strang", "discretisation.sub_solver=midpoint"]
+    )
+    tsit5 = evaluation_config(trained, ["discretisation.stepper=tsit5"]).discretisation
+    assert (tsit5.stepper, tsit5.sub_solver) == ("tsit5", "euler")
+    with pytest.raises(ConfigError, match=r"discretisation.sub_solver: sub_solver='midpoint'"):
+        evaluation_config(
+            trained, ["discretisation.stepper=tsit5", "discretisation.sub_solver=midpoint"]
+        )

@@ -920,3 +920,17 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary(tmp_path, mo
         (tmp_path / name).write_text("")
     assert remove_stale_temporaries(str(tmp_path)) == ["config.json.tmp-4242"]
     assert sorted(os.listdir(tmp_path)) == ["notes.tmp-draft.txt", "results.md", "x.tmp-"]
+
+
+def test_evaluate_refuses_a_validation_set_larger_than_the_memory(reference, capsys):
+    """``evaluate RUN --set task.eval_batch_size=2^31-1`` ended in an allocation
+    traceback (exit 1), and 10^8 in the kernel's out-of-memory kill; it is refused as
+    training refuses it, naming the field, and so is a run's start (``--config``)."""
+    from ocformer.evaluate import main as evaluate_main
+
+    huge = ["--set", "task.eval_batch_size=2147483647"]
+    for args in ([str(reference), *huge], ["--config", SMOKE, *huge]):
+        assert evaluate_main(args) == 2
+        err = capsys.readouterr().err
+        assert "task.eval_batch_size: the validation set of 4 batches of 2147483647" in err, err
+        assert "lower task.eval_batch_size" in err and "Traceback" not in err

@@ -39,7 +39,8 @@ def discretisation_study(
         model: a ``SequenceModel`` (e.g. ``ocformer.training.load_run(workdir)[1]``).
         batch: ``inputs``, ``targets`` (and optionally ``key_mask``).
         discretisations: label -> a ``Discretisation`` or the fields to change
-            (``{"steps_per_layer": 8}``, ``{"stepper": diffrax.Tsit5()}``).
+            (``{"steps_per_layer": 8}``, ``{"stepper": diffrax.Tsit5()}``; ``{}``: the
+            model's own).
         reference: the fine discretisation (same forms).
         objective: the loss (default ``Objective()``: the task's cross-entropy).
 
@@ -56,7 +57,7 @@ def discretisation_study(
     def at(spec):
         if isinstance(spec, Discretisation):
             return rediscretise(model, spec)
-        return rediscretise(model, **dict(spec))
+        return rediscretise(model, **dict(spec)) if spec else model  # {}: as it is
 
     ref_model = at(reference)
     u_ref, loss_ref = _forward(ref_model, objective, batch)

@@ -36,6 +36,7 @@ from ..training import (
     SolverFailure,
     build,
     build_discretisation,
+    check_memory,
     enable_x64_for_run,
     fallback_iterations,
     load_run_at,
@@ -55,6 +56,7 @@ GRADIENT_FIELD = "discretisation.gradient"
 FOLLOWING_FIELDS: tuple[str, ...] = (
     GRADIENT_FIELD,
     "discretisation.relaxation",
+    "discretisation.sub_solver",
     *(f"discretisation.{name}" for name in DEPTH_PARALLEL_ONLY),
     "mesh.depth",
 )
@@ -105,8 +107,8 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     discretisation changed by ``overrides``. The fields that act on training only, or
     only on a solve the overrides replace, give way to their defaults when the new
     discretisation does not take them, unless ``overrides`` set them:
-    ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise under a splitting scheme;
-    an MGRIT FCF-relaxation, or the chunks, iterations, coarse stepper and steps,
+    ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise or sub-solver under a
+    splitting scheme; an MGRIT FCF-relaxation, or the chunks, iterations, coarse stepper and steps,
     parallel costate or depth devices of a depth-parallel run, under the serial
     solve). The training fields are those of gradient training without depth-parallel
     checks: how the run was trained does not restrict how it is evaluated.
@@ -326,6 +328,7 @@ def evaluate_start(config: Config) -> dict:
         SolverFailure, NonFiniteEvaluation: as ``evaluate``.
     """
     validate(config)
+    check_memory(config, parts=("validation set",))
     exp = build(config, record_source=False)
     warn_of_tokenizer_mismatch(config, exp.task)
     metrics = evaluate(config, exp.model, exp.task)
@@ -395,6 +398,7 @@ def evaluate_run(workdir: str, overrides: Sequence[str] = (), step: int | None =
                 else f"discretisation.iterations={fell_back}",
             ]
     new_config = evaluation_config(config, changes)
+    check_memory(new_config, parts=("validation set",))
     # A replace of the discretisation value: the trained arrays are untouched, and the
     # grid-dependent parts are derived from the new value at the next solve.
     model = rediscretise(trained, build_discretisation(new_config))

@@ -48,6 +48,7 @@ from ._run_info import git_revision as git_revision, package_versions as package
 from ._rundir import (
     RUN_MARKER as RUN_MARKER,
     RunDirectory as RunDirectory,
+    check_memory as check_memory,
     run_record as run_record,
 )
 from ._step import (

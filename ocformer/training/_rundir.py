@@ -19,7 +19,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import jax
 
@@ -336,10 +336,13 @@ _SIZED_BY = {
 }  # fmt: skip
 
 
-def check_memory(config: Config, available: int | None = None) -> None:
+def check_memory(
+    config: Config, available: int | None = None, parts: Collection[str] | None = None
+) -> None:
     """Refuse a run whose batch, validation set or parameters cannot fit in this
     machine's memory, before anything is built or written (instead of an allocation
-    error part-way into the run).
+    error part-way into the run). ``parts``: those of ``memory_parts`` to count (default
+    all; an evaluation holds the validation set alone).
 
     Raises:
         ConfigError: naming the field, among those the run reads that size the largest
@@ -349,7 +352,7 @@ def check_memory(config: Config, available: int | None = None) -> None:
     available = available_memory() if available is None else available
     if available is None:
         return
-    parts = memory_parts(config)
+    parts = {k: v for k, v in memory_parts(config).items() if parts is None or k in parts}
     total = sum(parts.values())
     if total <= available:
         return
