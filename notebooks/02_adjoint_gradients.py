@@ -55,7 +55,7 @@ from ocformer.config import (  # noqa: E402
     TrainConfig,
 )
 from ocformer.models import rediscretise  # noqa: E402
-from ocformer.objective import Objective  # noqa: E402
+from ocformer.objective import Objective, in_precision  # noqa: E402
 from ocformer.splitting import Strang  # noqa: E402
 from ocformer.sweeping import plain_log_xaxis  # noqa: E402
 from ocformer.training import build, load_run, train  # noqa: E402
@@ -91,6 +91,7 @@ def toy_config(steps=0, **discretisation):
 
 if RUN:
     config, model = load_run(RUN)
+    model = in_precision(model, jnp.float64)  # finite differences need float64
 else:
     config = toy_config()
     model = build(config).model
@@ -223,7 +224,8 @@ for m in costate_steps:
     c = analysis.costates(
         rediscretise(model.transformer, steps_per_layer=m), u0, terminal, key_mask=key_mask
     )
-    ax1.plot(c.ts, c.norms, "o-" if m < 4 else "-", ms=3, label=f"Heun, m = {m}")
+    name = type(model.transformer.discretisation.stepper).__name__
+    ax1.plot(c.ts, c.norms, "o-" if m < 4 else "-", ms=3, label=f"{name}, m = {m}")
     start_norms[m] = float(c.norms[0])
 ax1.set_xlabel("t (layers)")
 ax1.set_ylabel(r"$|\lambda(t)|$")
@@ -326,17 +328,21 @@ with tempfile.TemporaryDirectory() as workdir:
     summary = train(trained_config, workdir)
     _, trained = load_run(workdir)
 initial = build(trained_config).model
+# The copy task's batch (with OCFORMER_RUN, `batch` is the run's).
+toy = build(trained_config).task
+toy_batch = {k: jnp.asarray(v) for k, v in toy.batch("train", 0, 4, 0).items()}
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
 for label, m in (("random", initial), ("trained", trained)):
-    u0, key_mask, terminal = analysis.terminal_loss(m, batch)
+    u0, key_mask, terminal = analysis.terminal_loss(m, toy_batch)
     c = analysis.costates(m.transformer, u0, terminal, key_mask=key_mask)
     d = analysis.gradient_density(m.transformer, u0, terminal, key_mask=key_mask)
-    ax1.plot(c.ts, c.norms, label=f"{label} (J = {float(loss(m)):.3f})")
+    toy_loss = float(objective(m, toy_batch)[0])
+    ax1.plot(c.ts, c.norms, label=f"{label} (J = {toy_loss:.3f})")
     ax2.plot(range(len(d.per_layer_norms)), d.per_layer_norms, "o-", label=label)
     print(
         label,
         "loss",
-        round(float(loss(m)), 4),
+        round(toy_loss, 4),
         "per-layer |dJ/dtheta|",
         np.round(np.asarray(d.per_layer_norms), 4),
     )

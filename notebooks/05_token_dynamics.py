@@ -49,6 +49,7 @@ from ocformer.config import (  # noqa: E402
     TrainConfig,
 )
 from ocformer.models import rediscretise  # noqa: E402
+from ocformer.objective import in_precision  # noqa: E402
 from ocformer.training import build, load_run, train  # noqa: E402
 
 SMALL = os.environ.get("OCFORMER_NOTEBOOK_SMALL") == "1"
@@ -80,9 +81,13 @@ def config(steps):
 
 random_model = build(config(0)).model
 if RUN:
+    # The run and its configuration freshly initialised, in float64 and under Heun at
+    # the run's steps per layer: the Jacobians below need a smooth step map.
     run_config, trained = load_run(RUN)
-    trained = rediscretise(
-        trained, stepper=build(config(0)).model.transformer.discretisation.stepper
+    heun = random_model.transformer.discretisation.stepper
+    trained, random_model = (
+        in_precision(rediscretise(m, stepper=heun), jnp.float64)
+        for m in (trained, build(run_config).model)
     )
 else:
     run_config = config(3 if SMALL else 200)

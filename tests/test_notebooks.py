@@ -45,6 +45,33 @@ def test_notebook_runs_small(name, monkeypatch, tmp_path):
     assert images, f"{name} displayed no figure"
 
 
+@pytest.mark.slow
+def test_token_dynamics_analyses_a_run_of_its_own_shape(monkeypatch, tmp_path):
+    """``OCFORMER_RUN`` names a float32 run of 16 tokens: the notebook's random model
+    is that run's configuration (its own toy model of 8 tokens was given the run's
+    inputs: a shape error in the first cell that used them)."""
+    from ocformer import train as train_cli
+
+    smoke = NOTEBOOKS_DIR.parent / "experiments" / "smoke.py"
+    run = tmp_path / "run"
+    sets = ["train.steps=1", "train.progress=false", "task.seq_len=16"]
+    assert train_cli.main(["--config", str(smoke), "--workdir", str(run),
+                           *(a for s in sets for a in ("--set", s))]) == 0  # fmt: skip
+    monkeypatch.setenv("OCFORMER_NOTEBOOK_SMALL", "1")
+    monkeypatch.delenv("OCFORMER_FIGURES", raising=False)
+    monkeypatch.setenv("OCFORMER_RUN", str(run))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    notebook = jupytext.read(NOTEBOOKS_DIR / "05_token_dynamics.py")
+    nbclient.NotebookClient(
+        notebook, timeout=900, kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+    ).execute()  # fmt: skip
+    printed = "".join(
+        "".join(o.get("text", "")) for c in notebook.cells for o in c.get("outputs", [])
+    )
+    assert "trained: mean pairwise cosine" in printed
+
+
 def _code(cells):
     return [
         ("".join(c["source"]) if isinstance(c["source"], list) else c["source"]).strip()
