@@ -144,15 +144,15 @@ def char_table(tokenizer: Tokenizer) -> np.ndarray:
     return table
 
 
-def bpe_tokenizer(texts: Iterable[str], size: int) -> Tokenizer:
+def bpe_tokenizer(texts: Iterable[str], size: int, run: int | None = None) -> Tokenizer:
     """A byte-level BPE of ``size`` symbols trained on ``texts`` (streamed: the trainer
     keeps word counts, not the texts). A corpus with fewer distinct pairs than merges
     asked for gives fewer symbols; the manifest records the real vocabulary size.
 
     The trainer's time grows with the square of a word's length, so a run of more than
     ``BPE_MAX_RUN`` characters without white space (minified code, DNA, text in a script
-    written without spaces) is trained on in pieces of that length (``bounded_runs``):
-    only the pairs that straddle a cut go uncounted."""
+    written without spaces) is trained on in pieces of that length (``bounded_runs``;
+    ``run`` another length): only the pairs that straddle a cut go uncounted."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -164,7 +164,7 @@ def bpe_tokenizer(texts: Iterable[str], size: int) -> Tokenizer:
         special_tokens=[],
         show_progress=False,
     )
-    tok.train_from_iterator(bounded_runs(texts), trainer=trainer)
+    tok.train_from_iterator(bounded_runs(texts, run), trainer=trainer)
     return tok
 
 
