@@ -183,7 +183,7 @@ class _DrainingPolicy(asyncio.DefaultEventLoopPolicy):
 @contextlib.contextmanager
 def _draining_event_loops():
     """orbax creates its loops with ``asyncio.new_event_loop()``: for the duration of
-    a restore, make those loops drain before closing."""
+    a restore or save, make those loops drain before closing."""
     previous = asyncio.get_event_loop_policy()
     asyncio.set_event_loop_policy(_DrainingPolicy())
     try:
@@ -335,8 +335,9 @@ class CheckpointManager:
             )
             raise DiskFullError(
                 f"no space left on the device of {self.directory} while writing the "
-                f"checkpoint of step {step}: it needs about {need / 2**20:.1f} MiB and "
-                f"{free / 2**20:.1f} MiB are free. Its partial files were removed and "
+                f"checkpoint of step {step}: it needs about {need / 2**20:.3g} MiB (and "
+                f"the file system's own overhead) and {free / 2**20:.3g} MiB are free. Its "
+                "partial files were removed and "
                 f"{kept}; free some space there (or use another --workdir) and resume"
             ) from None
         self._barrier(f"ocformer:checkpoint:{step}:committed")
@@ -358,7 +359,9 @@ class CheckpointManager:
 
     def _write(self, step: int, target: str, payload, spec, arrays, metadata) -> None:
         """orbax's save of ``payload`` to ``target``, then the commit marker."""
-        with _quiet_when_full():
+        # Draining loops: a save that fails (a full disk) leaves no "Event loop is
+        # closed" tracebacks of orbax's pending tasks.
+        with _quiet_when_full(), _draining_event_loops():
             self._orbax().save(target, payload)
         if self.primary:
             record = {
