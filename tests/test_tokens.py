@@ -848,3 +848,31 @@ def test_bpe_trains_on_long_runs_without_spaces_in_bounded_pieces(tmp_path):
     tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
     ids = np.concatenate([_ids(tmp_path / "ds", f) for f in ("train.bin", "val.bin")])
     assert len(tok.get_vocab()) > 256 and tok.decode(ids.tolist()) == text
+
+
+def test_a_validation_set_of_more_windows_than_the_split_holds_is_warned_of(
+    corpus, tmp_path, capsys
+):
+    """Validation windows are drawn with replacement: 4 x 64 of them from a split of
+    fewer distinct ones repeat some, which the run says (it was silent); a set that
+    fits gets no warning."""
+    root, _, _ = corpus
+    prepare_text([str(root / "a.txt"), str(root / "b.txt")], "char", tmp_path / "data",
+                 progress=False)  # fmt: skip
+    held = Tokens(tmp_path / "data", seq_len=8).windows("validation")
+    assert held == len(_ids(tmp_path / "data", "val.bin")) - 8 and held < 4 * 64
+    said = "the validation set draws 256 windows of 9 tokens from"
+    for size, warned in ((64, True), (held // 4, False)):
+        argv = [
+            "--config", SMOKE, "--workdir", str(tmp_path / f"run{size}"),
+            "--set", "task.name=tokens", "--set", f"task.path={tmp_path / 'data'}",
+            "--set", "task.seq_len=8", "--set", "task.batch_size=4",
+            "--set", f"task.eval_batch_size={size}", "--set", "task.eval_batches=4",
+            "--set", "train.steps=1", "--set", "train.progress=false",
+        ]  # fmt: skip
+        capsys.readouterr()
+        assert cli.main(argv) == ExitCode.OK
+        err = capsys.readouterr().err
+        assert (said in err) == warned, err
+        if warned:
+            assert f"which holds {held} distinct ones: windows repeat" in err, err

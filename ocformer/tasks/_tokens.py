@@ -55,6 +55,12 @@ class Tokens(AbstractTextTask):
                     f"seq_len + 1 = {seq_len + 1}; use a shorter task.seq_len or more text"
                 )
 
+    def windows(self, split: str) -> int:
+        """How many distinct windows (start positions) ``split`` holds: a batch draws
+        its starts from these, with replacement."""
+        check_split(split)
+        return len(self.dataset.splits[split]) - self.seq_len
+
     def batch(self, split: str, index: int, batch_size: int, seed: int) -> dict[str, np.ndarray]:
         return self.batch_rows(split, index, batch_size, seed, slice(None))
 

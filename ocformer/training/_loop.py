@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from ..config import Config, from_dict, unread_fields, validate
 from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
-from ..tasks import AbstractTask, AbstractTextTask
+from ..tasks import AbstractTask, AbstractTextTask, Tokens
 from ._build import Experiment, build, build_from_own_checkpoint
 from ._depth_fallback import DepthFallback, carry_state
 from ._errors import NonFiniteError, Preempted, SolverFailure
@@ -474,14 +474,40 @@ def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
                 file=sys.stderr,
                 flush=True,
             )
-    if run.resumable():
-        return build_from_own_checkpoint(config, run.path, mesh=layout.mesh)
-    exp = build(config, mesh=layout.mesh)
+    resuming = run.resumable()
+    exp = (
+        build_from_own_checkpoint(config, run.path, mesh=layout.mesh)
+        if resuming
+        else build(config, mesh=layout.mesh)
+    )
+    if is_primary():
+        _warn_of_repeated_windows(config, exp.task)
+    if resuming:
+        return exp
     if config.model.init_from is not None:
         check_admissible(config, exp.model, exp.constraints)
     if is_primary():
         warn_of_tokenizer_mismatch(config, exp.task)
     return exp
+
+
+def _warn_of_repeated_windows(config: Config, task) -> None:
+    """A validation set of more windows than the validation split holds repeats some
+    (its windows are drawn with replacement): said, with what to change."""
+    if not isinstance(task, Tokens):
+        return
+    t = config.task
+    drawn, held = t.eval_batches * t.eval_batch_size, task.windows("validation")
+    if drawn > held:
+        print(
+            f"ocformer: warning: the validation set draws {drawn} windows of "
+            f"{t.seq_len + 1} tokens from {task.dataset.file('validation')}, which holds "
+            f"{held} distinct one{'' if held == 1 else 's'}: windows repeat, and the "
+            "validation loss weighs them by chance. Lower task.eval_batches or "
+            "task.eval_batch_size, or prepare more text",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _start(exp: Experiment, config: Config, run: RunDirectory, layout: Layout, changes, argv):
