@@ -876,3 +876,17 @@ def test_a_validation_set_of_more_windows_than_the_split_holds_is_warned_of(
         assert (said in err) == warned, err
         if warned:
             assert f"which holds {held} distinct ones: windows repeat" in err, err
+
+
+def test_files_of_one_size_and_one_first_mib_are_told_apart_by_their_whole_bytes(tmp_path):
+    """Copies are refused by their whole bytes: two files of one size whose first MiB
+    agree and whose ends differ are two texts."""
+    from ocformer.tasks._dataset import CorpusError, expand_inputs
+
+    head = ("abc " * (1 << 18)).encode()  # 1 MiB
+    a = _write(tmp_path / "a.txt", (head + b"tail one").decode())
+    b = _write(tmp_path / "b.txt", (head + b"tail two").decode())
+    assert expand_inputs([str(a), str(b)]) == [a, b]
+    c = _write(tmp_path / "c.txt", (head + b"tail one").decode())
+    with pytest.raises(CorpusError, match=r"a\.txt and .*c\.txt have the same contents"):
+        expand_inputs([str(a), str(b), str(c)])

@@ -183,23 +183,31 @@ def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
 def _refuse_equal_contents(files: Sequence[pathlib.Path]) -> None:
     """Refuse two files of the same bytes (a copy kept beside its original): one may
     fall in training and the other in validation, whose loss would then measure text
-    that was trained on. Only files of equal size are read."""
-    by_size: dict[int, list[pathlib.Path]] = {}
+    that was trained on. Files are compared by size, then by their first MiB, and read
+    whole only when both agree (shards of one size, as ``split -b`` writes, differ in
+    their first MiB)."""
+    groups: dict[tuple, list[pathlib.Path]] = {}
     for f in files:
-        by_size.setdefault(f.stat().st_size, []).append(f)
-    for same_size in by_size.values():
-        if len(same_size) < 2:
-            continue
-        by_hash: dict[str, pathlib.Path] = {}
-        for f in same_size:
-            digest = sha256_file(f)
-            if digest in by_hash:
-                raise CorpusError(
-                    f"--input {by_hash[digest]} and {f} have the same contents (SHA-256 "
-                    f"{digest[:12]}...): one could be validation text that the other puts "
-                    "in training; give one of them"
-                )
-            by_hash[digest] = f
+        groups.setdefault((f.stat().st_size,), []).append(f)
+    for step in (_head_sha256, sha256_file):
+        regrouped: dict[tuple, list[pathlib.Path]] = {}
+        for key, same in groups.items():
+            if len(same) > 1:
+                for f in same:
+                    regrouped.setdefault((*key, step(f)), []).append(f)
+        groups = regrouped
+    for key, same in groups.items():
+        if len(same) > 1:
+            raise CorpusError(
+                f"--input {same[0]} and {same[1]} have the same contents (SHA-256 "
+                f"{key[-1][:12]}...): one could be validation text that the other puts in "
+                "training; give one of them"
+            )
+
+
+def _head_sha256(file: pathlib.Path, size: int = 1 << 20) -> str:
+    with open(file, "rb") as f:
+        return hashlib.sha256(f.read(size)).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
