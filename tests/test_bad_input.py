@@ -874,3 +874,60 @@ def test_a_run_s_step_is_a_whole_number():
     for step in ("10", 10.0, True):
         with pytest.raises(ValueError, match=r"step must be a whole number or None"):
             load_run("unread", step)  # type: ignore[arg-type]
+
+
+def test_jax_integers_and_list_sequences_are_stored_as_the_static_values_they_are():
+    """``steps_per_layer=jnp.asarray(2)`` was stored as a JAX array (unhashable; the
+    model's call failed deep in diffeqsolve) and ``Strang(sequence=[1, 0])`` as a list
+    (unhashable under ``jax.jit``'s static arguments, unequal to the tuple): both are
+    stored as Python ints now; a float array is still refused by name."""
+    import jax.numpy as jnp
+
+    from ocformer.integration import Discretisation
+    from ocformer.splitting import Strang
+
+    d = Discretisation(steps_per_layer=jnp.asarray(2))
+    assert type(d.steps_per_layer) is int and hash(d) == hash(Discretisation(steps_per_layer=2))
+    with pytest.raises(ValueError, match=r"steps_per_layer must be a positive integer, got Arr"):
+        Discretisation(steps_per_layer=jnp.asarray(2.0))
+    for given in ([1, 0, 2], np.array([1, 0, 2]), (np.int64(1), 0, 2)):
+        s = Strang(sequence=given)
+        assert s.sequence == (1, 0, 2) and all(type(i) is int for i in s.sequence)
+        assert s == Strang(sequence=(1, 0, 2)) and hash(s) == hash(Strang(sequence=(1, 0, 2)))
+    model = from_layers(_layers(), num_heads=2, norm="pre")  # two terms
+    x = np.random.default_rng(0).normal(size=(3, model.control.values.attention.wq.shape[-1]))
+    from ocformer.models import rediscretise
+
+    y = rediscretise(model, stepper=Strang(sequence=[1, 0]))(x)
+    assert np.array_equal(y, rediscretise(model, stepper=Strang(sequence=(1, 0)))(x))
+
+
+def test_from_layers_refuses_weights_that_are_not_real_numbers_and_runs_under_grad():
+    """A complex array lost its imaginary part (a NumPy warning only), an object array
+    of None became NaN, strings were parsed, and each cast the whole model to float32;
+    refused by key now. And ``from_layers`` is traced by ``jax.grad`` (it read its
+    arrays' dtype with NumPy, which a tracer refuses): its gradient is the finite
+    difference's."""
+    import jax
+
+    for bad in (lambda w: w + 1j, lambda w: np.array([["0.1"] * w.shape[1]] * w.shape[0]),
+                lambda w: np.full(w.shape, None)):  # fmt: skip
+        layers = _layers()
+        layers[0]["wq"] = bad(np.asarray(layers[0]["wq"]))
+        with pytest.raises(ValueError, match=r"layers\[0\]\['wq'\] has dtype .*give real numbers"):
+            from_layers(layers, num_heads=2)
+    layers = [{k: None if v is None else np.asarray(v, np.float64) for k, v in layer.items()}
+              for layer in _layers()]  # fmt: skip
+    width = layers[0]["wq"].shape[0]
+    x = np.random.default_rng(1).normal(size=(3, width))
+
+    def loss(wq):
+        stack = [dict(layers[0], wq=wq), *layers[1:]]
+        return (from_layers(stack, num_heads=2, norm="pre")(x) ** 2).sum()
+
+    grad = np.asarray(jax.grad(loss)(layers[0]["wq"]))  # float64: the suite enables x64
+    e = np.zeros_like(layers[0]["wq"])
+    e[0, 1] = 1e-6
+    fd = (loss(layers[0]["wq"] + e) - loss(layers[0]["wq"] - e)) / 2e-6
+    assert grad.dtype == np.float64 and abs(grad[0, 1]) > 1e-3
+    assert abs(grad[0, 1] - float(fd)) < 1e-7 * abs(float(fd))

@@ -935,3 +935,22 @@ def test_evaluate_refuses_a_validation_set_larger_than_the_memory(reference, cap
         err = capsys.readouterr().err
         assert "task.eval_batch_size: the validation set of 4 batches of 2147483647" in err, err
         assert "lower task.eval_batch_size" in err and "Traceback" not in err
+
+
+def test_a_config_json_edited_into_another_configuration_is_named_by_its_readers(
+    reference, tmp_path
+):
+    """``load_run`` of a run whose config.json parses but is no configuration (edited
+    by hand) said only ``model.num_heads: num_heads=3 must divide ...``, as if the
+    caller's own configuration were wrong; the file is named now."""
+    from ocformer.training import load_run
+
+    workdir = copy_of(reference, tmp_path)
+    stored = json.loads((workdir / "config.json").read_text())
+    stored["model"]["num_heads"] = 3
+    (workdir / "config.json").write_text(json.dumps(stored))
+    with pytest.raises(ConfigError, match=r"num_heads=3 must divide .*\(read from .*config\.json"):
+        load_run(workdir)
+    (workdir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match=r"must be a mapping, got list \(read from .*config"):
+        load_run(workdir)

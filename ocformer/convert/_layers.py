@@ -81,6 +81,14 @@ def _check_layers(layers: Sequence[Mapping]) -> tuple[int, int]:
         for k in LAYER_KEYS:
             if layer[k] is None:
                 continue
+            kind = getattr(layer[k], "dtype", None) or np.asarray(layer[k]).dtype
+            if not (jnp.issubdtype(kind, jnp.floating) or jnp.issubdtype(kind, jnp.integer)
+                    or kind == bool):  # fmt: skip
+                raise ValueError(
+                    f"layers[{i}]['{k}'] has dtype {kind}; give real numbers (a float, "
+                    "integer or bool array): a complex part would be dropped, and strings "
+                    "or objects are no weights."
+                )
             shape = tuple(np.shape(layer[k]))
             if shape not in expected[k]:
                 allowed = " or ".join(str(s) for s in expected[k])
@@ -134,8 +142,15 @@ def _layer_params(layer: Mapping, dtype) -> LayerParams:
 
 
 def _dtype_of(layers) -> np.dtype:
-    dtypes = {np.asarray(v).dtype for layer in layers for v in layer.values() if v is not None}
-    dtype = np.result_type(*dtypes)
+    # The arrays' own dtypes (a traced array has one too: from_layers runs under
+    # jax.grad, jit and vmap); a list or number is read by NumPy.
+    dtypes = {
+        v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
+        for layer in layers
+        for v in layer.values()
+        if v is not None
+    }
+    dtype = jnp.result_type(*dtypes)
     if not jnp.issubdtype(dtype, jnp.floating):  # NumPy's test misses bfloat16
         dtype = np.dtype(np.float32)
     return jnp.zeros((), dtype).dtype  # canonical: float32 unless x64 is enabled

@@ -73,9 +73,9 @@ class Discretisation(eqx.Module):
         self.stepper = Lie() if stepper is None else stepper
         self.gradient = DiscretiseThenOptimise() if gradient is None else gradient
         self.depth_parallel = depth_parallel
-        self.steps_per_layer = (
-            int(steps_per_layer) if isinstance(steps_per_layer, np.integer) else steps_per_layer
-        )
+        # A NumPy or JAX integer as the int it is (the field is static: hashed); checked
+        # before it is stored (a JAX array in a static field is warned of).
+        self.steps_per_layer = check_steps_per_layer(steps_per_layer)
         self.stepsize = stepsize
         # NumPy scalars as Python numbers (the fields are static: hashed and compared).
         self.rtol = float(rtol) if isinstance(rtol, np.floating | np.integer) else rtol

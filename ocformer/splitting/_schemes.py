@@ -2,8 +2,21 @@
 
 import equinox as eqx
 
+from .._counts import whole_number
+
 from ..dynamics import AbstractExplicitTerm, SubSolver
 from ._base import AbstractSplittingSolver, Lie, check_sub_solver
+
+
+def _as_sequence(sequence):
+    """A ``sequence`` given as a list or array, as the tuple of ints a static field holds
+    (hashed and compared: a list was unhashable under ``jax.jit``); anything else is
+    left for the scheme's check to name."""
+    try:
+        items = [whole_number(i) for i in sequence]
+    except TypeError:  # not iterable, or None
+        return sequence
+    return sequence if None in items else tuple(items)
 
 
 def _check_permutation(sequence, num_terms: int, who: str) -> tuple[int, ...]:
@@ -59,7 +72,7 @@ class Strang(AbstractSplittingSolver):
     """
 
     sub_solver: SubSolver = eqx.field(default="euler", static=True)
-    sequence: tuple[int, ...] | None = eqx.field(default=None, static=True)
+    sequence: tuple[int, ...] | None = eqx.field(default=None, static=True, converter=_as_sequence)
     num_terms: int | None = eqx.field(default=None, static=True)
 
     def __check_init__(self):

@@ -320,7 +320,15 @@ def restore_run(
         raise WorkdirError(f"{path} is not an ocformer work directory (no {RUN_MARKER})")
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            config = validate(from_dict(as_recorded(json.load(f))))
+            recorded = json.load(f)
+        config = validate(from_dict(as_recorded(recorded)))
+    except ConfigError as e:  # parsed, but not a configuration (edited by hand, say)
+        said = str(e).removeprefix(f"{e.field}: ") if e.field else str(e)
+        raise ConfigError(
+            e.field,
+            f"{said} (read from {path}/config.json, which is not a configuration this "
+            "version of ocformer accepts: restore the file the run wrote)",
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         # Missing: rerunning the run's command writes it again; damaged: delete it first.
         fix = "delete it, and " if not isinstance(e, FileNotFoundError) else ""
