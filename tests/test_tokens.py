@@ -717,13 +717,15 @@ def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monk
     config, _ = load_run(tmp_path / "run")
     assert config.task.path == str(tmp_path / "data")
     assert evaluate_run(str(tmp_path / "run"))["step"] == 1
-    # Its command given again from here names the run's dataset (it said only that
-    # task.path data does not exist).
-    assert cli.main(argv) == 2
+    # Resumed from here, it names the run's dataset (it said only that task.path data
+    # does not exist).
+    capsys.readouterr()
+    again = [str(tmp_path / "run") if a == "run" else a for a in argv]
+    assert cli.main(again) == 2
     err = capsys.readouterr().err
     assert (
         f"task.path data is relative: from this directory it names {elsewhere / 'data'}, "
-        f"which does not exist, but run started in {tmp_path}, where it names the run's "
+        f"which does not exist, but {tmp_path / 'run'} started in {tmp_path}, where it names the run's "
         f"dataset {tmp_path / 'data'}; resume from that directory, or give --set "
         f"task.path={tmp_path / 'data'}" in err
     ), err
