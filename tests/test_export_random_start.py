@@ -209,6 +209,7 @@ def test_a_random_start_image_classifier_is_exported_as_vit(tmp_path):
         model(jnp.asarray(images[:, None]))
 
 
+@pytest.mark.slow  # about 20 s
 def test_the_export_command_names_the_tied_readout_for_an_untied_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert _train(run) == 0

@@ -146,7 +146,14 @@ def test_adjoints_are_derived_from_the_grid():
 
 
 @pytest.mark.parametrize(
-    "method", [DiscretiseThenOptimise, OptimiseThenDiscretise, Direct], ids=lambda c: c.name
+    "method",
+    [
+        DiscretiseThenOptimise,
+        # The same check for two more methods: the slow tier (each about 16 s).
+        pytest.param(OptimiseThenDiscretise, marks=pytest.mark.slow),
+        pytest.param(Direct, marks=pytest.mark.slow),
+    ],
+    ids=lambda c: c.name,
 )
 def test_refined_model_has_the_gradients_of_a_fresh_one(method):
     """refine(model, m) derives everything grid-dependent (checkpoints, the backward
