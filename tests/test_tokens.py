@@ -725,8 +725,8 @@ def test_a_relative_task_path_is_the_run_start_directorys(corpus, tmp_path, monk
     err = capsys.readouterr().err
     assert (
         f"task.path data is relative: from this directory it names {elsewhere / 'data'}, "
-        f"which does not exist, but {tmp_path / 'run'} started in {tmp_path}, where it names the run's "
-        f"dataset {tmp_path / 'data'}; resume from that directory, or give --set "
+        f"which does not exist, but {tmp_path / 'run'} started in {tmp_path}, where it names "
+        f"the run's dataset {tmp_path / 'data'}; resume from that directory, or give --set "
         f"task.path={tmp_path / 'data'}" in err
     ), err
 

@@ -82,8 +82,7 @@ def _check_layers(layers: Sequence[Mapping]) -> tuple[int, int]:
             if layer[k] is None:
                 continue
             kind = getattr(layer[k], "dtype", None) or np.asarray(layer[k]).dtype
-            if not (jnp.issubdtype(kind, jnp.floating) or jnp.issubdtype(kind, jnp.integer)
-                    or kind == bool):  # fmt: skip
+            if not any(jnp.issubdtype(kind, t) for t in (jnp.floating, jnp.integer, jnp.bool_)):
                 raise ValueError(
                     f"layers[{i}]['{k}'] has dtype {kind}; give real numbers (a float, "
                     "integer or bool array): a complex part would be dropped, and strings "

@@ -1,14 +1,15 @@
 """Symmetric, additive and hybrid splitting schemes."""
 
+from typing import Any
+
 import equinox as eqx
 
 from .._counts import whole_number
-
 from ..dynamics import AbstractExplicitTerm, SubSolver
 from ._base import AbstractSplittingSolver, Lie, check_sub_solver
 
 
-def _as_sequence(sequence):
+def _as_sequence(sequence: Any) -> Any:
     """A ``sequence`` given as a list or array, as the tuple of ints a static field holds
     (hashed and compared: a list was unhashable under ``jax.jit``); anything else is
     left for the scheme's check to name."""
