@@ -14,7 +14,7 @@ import argparse
 import random
 import time
 
-from ocformer.tasks._tokenizer import bpe_tokenizer
+from ocformer.tasks import bpe_tokenizer
 
 from ._args import positive_int
 

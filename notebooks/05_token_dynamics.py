@@ -79,11 +79,13 @@ def config(steps):
     )
 
 
-random_model = build(config(0)).model
+random_model, start = build(config(0)).model, "random"
 if RUN:
-    # The run and its configuration freshly initialised, in float64 and under Heun at
-    # the run's steps per layer: the Jacobians below need a smooth step map.
+    # The run and the model its configuration starts from (seeded, or its pretrained
+    # start), in float64 and under Heun at the run's steps per layer: the Jacobians
+    # below need a smooth step map.
     run_config, trained = load_run(RUN)
+    start = "random" if run_config.model.init_from is None else "start"
     heun = random_model.transformer.discretisation.stepper
     trained, random_model = (
         in_precision(rediscretise(m, stepper=heun), jnp.float64)
@@ -96,7 +98,7 @@ else:
         _, trained = load_run(workdir)
 task = build(run_config).task
 inputs = jnp.asarray(task.batch("validation", 0, 1, 0)["inputs"])
-models = {"random": random_model, "trained": trained}
+models = {start: random_model, "trained": trained}
 
 # %% [markdown]
 # ## Clustering: cosine similarities across depth
@@ -149,7 +151,7 @@ for label, m in models.items():
         ax2.plot(
             lyap.ts,
             lyap.running[:, k],
-            color="C0" if label == "random" else "C1",
+            color="C0" if label == start else "C1",
             label=label if k == 0 else None,
         )
 ax1.set_xlabel("dt = 1/m (Heun)")

@@ -804,6 +804,18 @@ def test_a_tokenizer_that_leaves_much_of_the_corpus_unknown_is_warned_of(tmp_pat
                    "'[UNK]'" in err, err  # fmt: skip
         else:
             assert share == 0 and "unknown token" not in err
+    # The unknown token's own text in the corpus (WikiText's "<unk>") is no gap of the
+    # tokenizer: 20 % of the ids, and no warning.
+    marked = _write(tmp_path / "marked.txt", _text(2000, 0) + " [UNK]" * 500)
+    capsys.readouterr()
+    prepare_text([str(marked)], str(tmp_path / "all.json"), tmp_path / "marked", progress=False)
+    ids = np.concatenate([_ids(tmp_path / "marked", f) for f in ("train.bin", "val.bin")])
+    assert np.mean(ids == 0) > 0.1 and "unknown token" not in capsys.readouterr().err
+    # A SentencePiece-style (Unigram) tokenizer records the id, not the token.
+    from ocformer.tasks._tokenizer import unknown_id
+
+    unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0), ("b", -2.0)], unk_id=0))
+    assert unknown_id(unigram) == 0 and unigram.encode("ac").ids == [1, 0]
 
 
 def test_an_unreadable_input_or_dataset_is_named_not_a_traceback(tmp_path, monkeypatch):
@@ -833,11 +845,22 @@ def test_an_unreadable_input_or_dataset_is_named_not_a_traceback(tmp_path, monke
             read(tmp_path / "ds")
 
 
-def test_bpe_trains_on_long_runs_without_spaces_in_bounded_pieces(tmp_path):
+def test_bpe_trains_on_long_runs_without_spaces_in_bounded_pieces(tmp_path, monkeypatch):
     """A run of characters without white space is cut for the BPE trainer (whose time
     grows with the square of a word's length) into pieces of at most ``BPE_MAX_RUN``
-    characters that join to the text; the corpus still decodes back exactly."""
+    characters that join to the text: what the trainer is given, seen through a spy;
+    the corpus still decodes back exactly."""
+    from ocformer.tasks import _tokenizer
     from ocformer.tasks._tokenizer import BPE_MAX_RUN, bounded_runs
+
+    given: list[str] = []
+
+    def spy(texts, run=None):
+        for piece in bounded_runs(texts, run):
+            given.append(piece)
+            yield piece
+
+    monkeypatch.setattr(_tokenizer, "bounded_runs", spy)
 
     texts = ["ab cd", "x" * (2 * BPE_MAX_RUN + 5) + " yy", "", "z" * BPE_MAX_RUN]
     pieces = list(bounded_runs(texts))
@@ -850,6 +873,7 @@ def test_bpe_trains_on_long_runs_without_spaces_in_bounded_pieces(tmp_path):
     tok = Tokenizer.from_file(str(tmp_path / "ds" / "tokenizer.json"))
     ids = np.concatenate([_ids(tmp_path / "ds", f) for f in ("train.bin", "val.bin")])
     assert len(tok.get_vocab()) > 256 and tok.decode(ids.tolist()) == text
+    assert "".join(given) == text and max(map(len, given)) == BPE_MAX_RUN
 
 
 def test_a_validation_set_of_more_windows_than_the_split_holds_is_warned_of(
@@ -881,14 +905,25 @@ def test_a_validation_set_of_more_windows_than_the_split_holds_is_warned_of(
 
 
 def test_files_of_one_size_and_one_first_mib_are_told_apart_by_their_whole_bytes(tmp_path):
-    """Copies are refused by their whole bytes: two files of one size whose first MiB
+    """Copies are found by their whole bytes: two files of one size whose first MiB
     agree and whose ends differ are two texts."""
-    from ocformer.tasks._dataset import CorpusError, expand_inputs
+    from ocformer.tasks._dataset import equal_contents
 
     head = ("abc " * (1 << 18)).encode()  # 1 MiB
     a = _write(tmp_path / "a.txt", (head + b"tail one").decode())
     b = _write(tmp_path / "b.txt", (head + b"tail two").decode())
-    assert expand_inputs([str(a), str(b)]) == [a, b]
     c = _write(tmp_path / "c.txt", (head + b"tail one").decode())
-    with pytest.raises(CorpusError, match=r"a\.txt and .*c\.txt have the same contents"):
-        expand_inputs([str(a), str(b), str(c)])
+    assert equal_contents([a, b]) == [] and equal_contents([a, b, c]) == [[a, c]]
+
+
+def test_copies_on_one_side_of_the_split_are_warned_of_not_refused(tmp_path, capsys):
+    """Two copies of one boilerplate file, both in training, leak nothing into the
+    validation loss: prepared, with a warning that their text counts twice (copies on
+    both sides are refused: tests/test_bad_input.py)."""
+    text = _text(300, 0)
+    files = [_write(tmp_path / n, t) for n, t in
+             (("a.txt", text), ("b.txt", text), ("c.txt", _text(8000, 1)))]  # fmt: skip
+    prepare_text([str(f) for f in files], "char", tmp_path / "ds", progress=False)
+    err = capsys.readouterr().err
+    assert f"--input {files[0]} and {files[1]} have the same contents: their text is 2 times " \
+           "in the training split" in err, err  # fmt: skip

@@ -205,6 +205,8 @@ def test_the_memory_refusal_names_a_field_that_would_make_the_largest_part_fit()
         with pytest.raises(ConfigError) as e:
             check_memory(resolve(SMOKE, sets), available=2**30)
         assert e.value.field == field and str(e.value).endswith(f"lower {field}"), sets
+    with pytest.raises(ValueError, match=r"Unknown memory parts \['validation'\]"):
+        check_memory(resolve(SMOKE, []), available=2**30, parts=("validation",))
 
 
 def _mesh_larger_than_the_devices(tmp_path, reference):

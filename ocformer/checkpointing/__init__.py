@@ -10,6 +10,7 @@ from ._manager import (
     MARKER as MARKER,
     CheckpointError as CheckpointError,
     CheckpointManager as CheckpointManager,
+    CheckpointMismatch as CheckpointMismatch,
     ChecksumMismatch as ChecksumMismatch,
     CorruptedCheckpoint as CorruptedCheckpoint,
     DiskFullError as DiskFullError,

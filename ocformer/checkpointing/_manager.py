@@ -58,6 +58,18 @@ class ChecksumMismatch(CheckpointError):
     (their SHA-256 differs from the one its marker records)."""
 
 
+def _mib(size: int) -> str:
+    """``size`` bytes in MiB: three digits below 10 MiB (a small checkpoint on a nearly
+    full disk), tenths above (``1,234.5``)."""
+    mib = size / 2**20
+    return f"{mib:.3g}" if mib < 10 else f"{mib:,.1f}"
+
+
+class CheckpointMismatch(CheckpointError):
+    """A committed checkpoint of other arrays (their number, shapes or dtypes) than the
+    model and optimiser it is restored into: written by another configuration."""
+
+
 class DiskFullError(CheckpointError):
     """No space left on the device while writing a checkpoint; what was written of it
     has been removed and the previous checkpoint is intact."""
@@ -335,8 +347,8 @@ class CheckpointManager:
             )
             raise DiskFullError(
                 f"no space left on the device of {self.directory} while writing the "
-                f"checkpoint of step {step}: it needs about {need / 2**20:.3g} MiB (and "
-                f"the file system's own overhead) and {free / 2**20:.3g} MiB are free. Its "
+                f"checkpoint of step {step}: it needs about {_mib(need)} MiB (and the "
+                f"file system's own overhead) and {_mib(free)} MiB are free. Its "
                 "partial files were removed and "
                 f"{kept}; free some space there (or use another --workdir) and resume"
             ) from None
@@ -420,7 +432,7 @@ class CheckpointManager:
         have = record["leaves"]
         path = self.path(step)
         if len(have) != len(want):
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"checkpoint {path} holds {len(have)} arrays but the configured model and "
                 f"optimiser have {len(want)}: it was written by a different configuration. "
                 "Use a new --workdir, or the configuration that wrote it."
@@ -428,7 +440,7 @@ class CheckpointManager:
         for h, w in zip(have, want):
             if h["shape"] != w["shape"] or h["dtype"] != w["dtype"]:
                 kind = "shape" if h["shape"] != w["shape"] else "dtype, model.dtype"
-                raise CheckpointError(
+                raise CheckpointMismatch(
                     f"checkpoint {path} does not match the configured model: {w['path']} "
                     f"is {h['dtype']}{h['shape']} in the checkpoint but {w['dtype']}"
                     f"{w['shape']} in the configuration (a different model {kind}). Use a "

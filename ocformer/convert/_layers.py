@@ -81,7 +81,7 @@ def _check_layers(layers: Sequence[Mapping]) -> tuple[int, int]:
         for k in LAYER_KEYS:
             if layer[k] is None:
                 continue
-            kind = getattr(layer[k], "dtype", None) or np.asarray(layer[k]).dtype
+            kind = _dtype(layer[k])
             if not any(jnp.issubdtype(kind, t) for t in (jnp.floating, jnp.integer, jnp.bool_)):
                 raise ValueError(
                     f"layers[{i}]['{k}'] has dtype {kind}; give real numbers (a float, "
@@ -140,15 +140,14 @@ def _layer_params(layer: Mapping, dtype) -> LayerParams:
     )
 
 
+def _dtype(value) -> np.dtype:
+    """An array's own dtype (a traced array has one: from_layers runs under jax.grad,
+    jit and vmap); a list or number's as NumPy reads it."""
+    return value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+
+
 def _dtype_of(layers) -> np.dtype:
-    # The arrays' own dtypes (a traced array has one too: from_layers runs under
-    # jax.grad, jit and vmap); a list or number is read by NumPy.
-    dtypes = {
-        v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype
-        for layer in layers
-        for v in layer.values()
-        if v is not None
-    }
+    dtypes = {_dtype(v) for layer in layers for v in layer.values() if v is not None}
     dtype = jnp.result_type(*dtypes)
     if not jnp.issubdtype(dtype, jnp.floating):  # NumPy's test misses bfloat16
         dtype = np.dtype(np.float32)

@@ -26,5 +26,5 @@ from ._text import (
     PythonStdlibChar as PythonStdlibChar,
     ShakespeareChar as ShakespeareChar,
 )
-from ._tokenizer import TOKENIZER_FILE as TOKENIZER_FILE
+from ._tokenizer import TOKENIZER_FILE as TOKENIZER_FILE, bpe_tokenizer as bpe_tokenizer
 from ._tokens import Tokens as Tokens

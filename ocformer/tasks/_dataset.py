@@ -126,8 +126,7 @@ def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
     Raises:
         CorpusError: a pattern matching no file, a path that is not a file, an empty or
             unreadable file, a file given twice (by two paths or links to it; its text
-            would be trained on twice), or two files of the same contents (validation
-            text would also be training text).
+            would be trained on twice).
     """
     if not patterns:
         raise CorpusError("--input: give at least one text file or glob")
@@ -176,16 +175,14 @@ def expand_inputs(patterns: Sequence[str]) -> list[pathlib.Path]:
                 )
             seen[key] = (path, pattern)
             files.append(path)
-    _refuse_equal_contents(files)
     return files
 
 
-def _refuse_equal_contents(files: Sequence[pathlib.Path]) -> None:
-    """Refuse two files of the same bytes (a copy kept beside its original): one may
-    fall in training and the other in validation, whose loss would then measure text
-    that was trained on. Files are compared by size, then by their first MiB, and read
-    whole only when both agree (shards of one size, as ``split -b`` writes, differ in
-    their first MiB)."""
+def equal_contents(files: Sequence[pathlib.Path]) -> list[list[pathlib.Path]]:
+    """The groups of ``files`` with the same bytes (copies kept beside their original),
+    each in the order given. Files are compared by size, then by their first MiB, and
+    read whole only when both agree (shards of one size, as ``split -b`` writes, differ
+    in their first MiB)."""
     groups: dict[tuple, list[pathlib.Path]] = {}
     for f in files:
         groups.setdefault((f.stat().st_size,), []).append(f)
@@ -196,13 +193,44 @@ def _refuse_equal_contents(files: Sequence[pathlib.Path]) -> None:
                 for f in same:
                     regrouped.setdefault((*key, step(f)), []).append(f)
         groups = regrouped
-    for key, same in groups.items():
-        if len(same) > 1:
-            raise CorpusError(
-                f"--input {same[0]} and {same[1]} have the same contents (SHA-256 "
-                f"{key[-1][:12]}...): one could be validation text that the other puts in "
-                "training; give one of them"
-            )
+    return [same for same in groups.values() if len(same) > 1]
+
+
+def _check_copies(files: Sequence[pathlib.Path]) -> None:
+    """Refuse copies of one text on both sides of the validation split (the validation
+    loss would measure text that was trained on), naming every such group; warn of
+    copies on one side (their text counts twice there)."""
+    split_file, split_at = split_point(files)
+    index = {f: i for i, f in enumerate(files)}
+
+    def sides(f: pathlib.Path) -> set[str]:
+        i = index[f]
+        train = i < split_file or (i == split_file and split_at > 0)
+        validation = i > split_file or (i == split_file and split_at < f.stat().st_size)
+        return {name for name, on in (("training", train), ("validation", validation)) if on}
+
+    leaking, doubled = [], []
+    for group in equal_contents(files):
+        each = [sides(f) for f in group]
+        seen = set().union(*each)
+        if "training" in seen and "validation" in seen:
+            leaking.append(group)
+        else:
+            doubled.append((group, seen.pop()))
+    if leaking:
+        named = "; ".join(" and ".join(map(str, g)) for g in leaking)
+        raise CorpusError(
+            f"--input files of the same contents fall in both the training and the "
+            f"validation split ({named}): the validation loss would measure text that was "
+            "trained on; give one file of each"
+        )
+    for group, side in doubled:
+        print(
+            f"ocformer: warning: --input {' and '.join(map(str, group))} have the same "
+            f"contents: their text is {len(group)} times in the {side} split",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _head_sha256(file: pathlib.Path, size: int = 1 << 20) -> str:
@@ -222,8 +250,10 @@ class Piece:
     def text(self) -> str:
         if (nul := self.data.find(b"\0")) >= 0:
             raise CorpusError(
-                f"{self.file}: a NUL byte at byte offset {self.offset + nul}: it is a binary "
-                "file, not text (a prepared dataset's .bin, say); give text files only"
+                f"{self.file}: a NUL byte at byte offset {self.offset + nul}: a binary file "
+                "(a prepared dataset's .bin, say), UTF-16 text (convert it: iconv -f "
+                "UTF-16 -t UTF-8), or text with stray NULs (remove them: tr -d '\\000'); "
+                "give UTF-8 text without NULs"
             )
         try:
             return self.data.decode("utf-8")
@@ -504,6 +534,7 @@ def prepare_text(
     """
     spec = TokenizerSpec.parse(tokenizer)
     files = expand_inputs(inputs)
+    _check_copies(files)
     out = pathlib.Path(out)
     check_out(out)
     out = pathlib.Path(os.path.abspath(out))  # "data/.." has a parent, "." a name
@@ -576,6 +607,7 @@ def prepare_text(
             }
             sources = {f: hashlib.sha256() for f in files}
             unk_id, unknown = unknown_id(tok), 0
+            unk_text = "" if unk_id is None else tok.id_to_token(unk_id) or ""
             with bar("encoding") as b:
                 for piece in stream_pieces(files, encode_bytes, b.update):
                     sources[piece.file].update(piece.data)
@@ -593,7 +625,10 @@ def prepare_text(
                             raise CorpusError(why) from None
                     writers[piece.split].write(ids)
                     if unk_id is not None:
+                        # Less the unknown token's own text in the corpus ("<unk>" in
+                        # WikiText), which encodes to it as a known word.
                         unknown += int(np.count_nonzero(ids == unk_id))
+                        unknown -= text.count(unk_text) if unk_text else 0
                     b.set_postfix(tokens=sum(w.tokens for w in writers.values()), refresh=False)
             splits = {s: w.finish() for s, w in writers.items()}
         for f in files:
@@ -611,7 +646,7 @@ def prepare_text(
             print(
                 f"ocformer: warning: {tokenizer}: {unknown} of the corpus's {tokens} tokens "
                 f"({unknown / tokens:.1%}) are its unknown token "
-                f"{tok.id_to_token(unk_id)!r}: the tokenizer does not cover this text "
+                f"{unk_text!r}: the tokenizer does not cover this text "
                 "well; a model trained on it learns to predict that token (char or bpe:N "
                 "are made from the corpus)",
                 file=sys.stderr,
@@ -920,7 +955,11 @@ def _readable() -> Iterator[None]:
     except DataNotFoundError:
         raise
     except OSError as e:
+        fix = (
+            "give this user read access to the dataset directory"
+            if isinstance(e, PermissionError)
+            else "check the disk or file system it is on"
+        )
         raise DatasetError(
-            f"{e.filename or 'a dataset file'} cannot be read ({e.strerror or e}); give "
-            "this user read access to the dataset directory"
+            f"{e.filename or 'a dataset file'} cannot be read ({e.strerror or e}); {fix}"
         ) from None

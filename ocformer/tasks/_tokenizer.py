@@ -204,7 +204,10 @@ def unencodable(tokenizer: Tokenizer, text: str) -> str | None:
 def unknown_id(tokenizer: Tokenizer) -> int | None:
     """The id of ``tokenizer``'s unknown token (what its model, word-level, word-piece
     or BPE, writes for a piece it lacks), or None if it has none."""
-    name = json.loads(tokenizer.to_str()).get("model", {}).get("unk_token")
+    model = json.loads(tokenizer.to_str()).get("model", {})
+    if model.get("type") == "Unigram":  # SentencePiece-style: the id itself
+        return model.get("unk_id")
+    name = model.get("unk_token")
     return None if name is None else tokenizer.token_to_id(name)
 
 

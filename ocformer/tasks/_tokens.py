@@ -73,7 +73,7 @@ class Tokens(AbstractTextTask):
         check_batch_args(index, batch_size, seed)
         rows = check_rows(rows, batch_size)
         data = self.dataset.splits[split]
-        starts = batch_rng(split, index, seed).integers(0, len(data) - self.seq_len, batch_size)
+        starts = batch_rng(split, index, seed).integers(0, self.windows(split), batch_size)
         starts = starts[rows]
         window = np.asarray(data[starts[:, None] + np.arange(self.seq_len + 1)], dtype=np.int64)
         if window.size and int(window.max()) >= self.vocab_size:

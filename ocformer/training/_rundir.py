@@ -26,6 +26,7 @@ import jax
 from ..checkpointing import (
     CheckpointError,
     CheckpointManager,
+    CheckpointMismatch,
     ChecksumMismatch,
     CorruptedCheckpoint,
     atomic_write_text,
@@ -133,9 +134,11 @@ def wrote_with_current_dataset(workdir: str, step: int) -> bool:
 def dataset_missing(workdir: str, config: Config) -> str | None:
     """Why the run in ``workdir`` cannot be read with ``config``: the dataset directory
     it recorded in its ``run.json`` is gone from that path (or holds no readable
-    manifest); None when it is there, or the run records none, or ``config`` names
-    another path (a run that goes on with other data: that is a configuration
-    change, and a missing path there is the task's own error)."""
+    manifest), or ``config`` gives the path relative to another directory than the one
+    the run started in, where it names the run's dataset (a resume from elsewhere);
+    None when it is there, or the run records none, or ``config`` names another path
+    (a run that goes on with other data: that is a configuration change, and a missing
+    path there is the task's own error)."""
     recorded = run_record(workdir, "dataset")
     if run_dataset(config) is not None or not isinstance(recorded, dict):
         return None
@@ -147,7 +150,7 @@ def dataset_missing(workdir: str, config: Config) -> str | None:
         not os.path.isabs(os.path.expanduser(path))
         and not os.path.exists(path)
         and isinstance(started, str)
-        and os.path.realpath(os.path.join(started, path)) == recorded.get("path")
+        and _same_place(path, recorded.get("path"), started)  # there, it was the run's
         and dataset_identity(recorded["path"]) is not None
     ):
         return (
@@ -181,6 +184,9 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
             out[f"{prefix}{key}"] = value
     return out
 
+
+# The files of a work directory that a run appends to (the others it replaces whole).
+APPENDED_FILES = ("metrics.jsonl", "samples.txt")
 
 # The paths a run's configuration may give relative to the directory it was started in.
 RELATIVE_PATHS = (("task", "path"), ("task", "data_dir"), ("model", "init_from"))
@@ -352,7 +358,10 @@ def check_memory(
     available = available_memory() if available is None else available
     if available is None:
         return
-    parts = {k: v for k, v in memory_parts(config).items() if parts is None or k in parts}
+    every = memory_parts(config)
+    if parts is not None and (unknown := set(parts) - set(every)):
+        raise ValueError(f"Unknown memory parts {sorted(unknown)}; known: {', '.join(every)}.")
+    parts = {k: v for k, v in every.items() if parts is None or k in parts}
     total = sum(parts.values())
     if total <= available:
         return
@@ -476,9 +485,7 @@ class RunDirectory:
     # -- inspecting (changes nothing) ------------------------------------------------
 
     def _check_writable(self) -> None:
-        """The directory, or the nearest existing folder above it, can be written; so
-        can what a run in it writes to (its files and folders, and the checkpoints'),
-        so that a resume does not train for an hour and then fail at its first write."""
+        """The directory, or the nearest existing folder above it, can be written."""
         probe = self.path
         while not os.path.exists(probe):
             parent = os.path.dirname(probe)
@@ -495,23 +502,29 @@ class RunDirectory:
                 f"work directory {self.path} {what}: {probe} {_unwritable(probe)}; choose "
                 "another --workdir or change its permissions"
             )
-        if probe != self.path:
-            return
+
+    def _check_run_writable(self) -> None:
+        """What a resumed run writes into, besides the files it replaces whole (a
+        rename needs the directory alone): the logs it appends to and the folders it
+        writes in (its checkpoints'), so that a resume does not train for an hour and
+        then fail at its first write."""
         checkpoints = os.path.join(self.path, "checkpoints")
-        for folder in (self.path, checkpoints):
-            try:
-                names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-            except OSError:
-                continue  # check() names a directory that cannot be read
-            for name in names:
-                path = os.path.join(folder, name)
-                need = os.W_OK | (os.X_OK if os.path.isdir(path) else 0)
-                if not os.path.islink(path) and not os.access(path, need):
-                    raise WorkdirError(
-                        f"work directory {self.path} cannot be resumed: {path} "
-                        f"{_unwritable(path)}, and the run writes to it; change its "
-                        "permissions (chown or chmod), or choose another --workdir"
-                    )
+        steps = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
+        for path in (
+            *(os.path.join(self.path, name) for name in APPENDED_FILES),
+            self.tb_path,
+            checkpoints,
+            *(os.path.join(checkpoints, name) for name in steps),
+        ):
+            is_dir = os.path.isdir(path)
+            if not (is_dir or os.path.isfile(path)) or os.path.islink(path):
+                continue
+            if not os.access(path, os.W_OK | (os.X_OK if is_dir else 0)):
+                raise WorkdirError(
+                    f"work directory {self.path} cannot be resumed: {path} "
+                    f"{_unwritable(path)}, and the run writes {'in' if is_dir else 'to'} it; "
+                    "change its permissions (chown or chmod), or choose another --workdir"
+                )
 
     def check(self, config: Config, *, allow_config_change: bool = False) -> dict[str, tuple]:
         """Inspect the directory for a run of ``config``; nothing is written.
@@ -548,6 +561,8 @@ class RunDirectory:
                 f"(it holds {shown}; no {RUN_MARKER}); refusing to write into it. Use a new "
                 "or empty --workdir"
             )
+        if names:
+            self._check_run_writable()
         checkpoints = CheckpointManager(os.path.join(self.path, "checkpoints"))
         latest = checkpoints.latest()
         self._config_recovered_from = None
@@ -668,9 +683,7 @@ class RunDirectory:
         self._barrier("ocformer:rundir:claimed")
         try:
             step, restored = self._restore(template)
-        except (CorruptedCheckpoint, ChecksumMismatch):
-            raise
-        except CheckpointError as e:
+        except CheckpointMismatch as e:
             if not changes:
                 raise
             raise CheckpointError(
