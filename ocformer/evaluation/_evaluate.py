@@ -108,10 +108,11 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     only on a solve the overrides replace, give way to their defaults when the new
     discretisation does not take them, unless ``overrides`` set them:
     ``FOLLOWING_FIELDS`` (a trained optimise-then-discretise or sub-solver under a
-    splitting scheme; an MGRIT FCF-relaxation, or the chunks, iterations, coarse stepper and steps,
-    parallel costate or depth devices of a depth-parallel run, under the serial
-    solve). The training fields are those of gradient training without depth-parallel
-    checks: how the run was trained does not restrict how it is evaluated.
+    splitting scheme; an MGRIT FCF-relaxation, or the chunks, iterations, coarse
+    stepper and steps, parallel costate or depth devices of a depth-parallel run,
+    under the serial solve). The training fields are those of gradient training
+    without depth-parallel checks: how the run was trained does not restrict how it is
+    evaluated.
 
     Raises:
         ConfigError: an invalid override or combination.

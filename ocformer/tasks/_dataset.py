@@ -529,7 +529,9 @@ def prepare_text(
         progress: show tqdm bars (bytes read, tokens written) on stderr.
 
     Raises:
-        CorpusError: missing, empty or non-UTF-8 input, or a refused ``out``.
+        CorpusError: missing, empty, unreadable, binary or non-UTF-8 input, copies of
+            one text on both sides of the validation split, a file inside ``out`` or
+            changed while it was prepared, or a refused ``out``.
         TokenizerSpecError: a bad ``bpe:N`` or a path that is not a tokenizer.
     """
     spec = TokenizerSpec.parse(tokenizer)

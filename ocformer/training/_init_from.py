@@ -327,8 +327,8 @@ def tokenizer_mismatch(config: Config, task) -> str | None:
     dataset tokenizer a source run recorded), or a Hugging Face start has no
     ``tokenizer.json`` to compare with. None when they agree, when a source run's is
     unknown, or when there is no start. Not a refusal: a checkpoint may be trained on
-    other symbols on purpose, its embedding rows then taking new meanings. ``ocformer.train`` (on a
-    fresh start) and ``ocformer.evaluate --config`` warn with it."""
+    other symbols on purpose, its embedding rows then taking new meanings.
+    ``ocformer.train`` (on a fresh start) and ``ocformer.evaluate --config`` warn with it."""
     if config.model.init_from is None or not isinstance(task, Tokens):
         return None
     source = parse_source(config.model.init_from)

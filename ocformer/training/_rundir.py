@@ -689,8 +689,7 @@ class RunDirectory:
             raise CheckpointError(
                 f"{e} (Of the configuration changes at this resume, {', '.join(changes)}, "
                 "one alters what the run's checkpoints hold, so the run cannot go on under "
-                "it; to "
-                "continue from its parameters, train in a new --workdir with --set "
+                "it; to continue from its parameters, train in a new --workdir with --set "
                 f"model.init_from={self.path}.)"
             ) from None
         if not self.primary:
