@@ -266,6 +266,12 @@ def test_operator_options_out_of_range():
         Discretisation(diffrax.Tsit5(), stepsize="pid", jump_ts="False")
     with pytest.raises(ValueError, match=r"SemiImplicitEuler solves a partitioned system"):
         Discretisation(diffrax.SemiImplicitEuler())
+    # A stochastic solver would fail only at the solve, inside diffrax's term checks.
+    for sde in (diffrax.EulerHeun(), diffrax.SEA(), diffrax.ItoMilstein(), diffrax.ALIGN(0.1)):
+        with pytest.raises(ValueError, match=r"is a stochastic \(SDE\) solver"):
+            Discretisation(sde)
+    for ode in (diffrax.ReversibleHeun(), diffrax.KenCarp3(), diffrax.Sil3()):
+        assert Discretisation(ode).stepper is ode
 
 
 @pytest.mark.parametrize("steps", [0, -2, 2.0, True, "4"])

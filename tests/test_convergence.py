@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from ocformer.analysis import convergence_study, fitted_slope, study_model, study_stepper
+from ocformer.analysis import (
+    convergence_study,
+    fitted_slope,
+    local_slopes,
+    study_model,
+    study_stepper,
+)
 from ocformer.analysis.__main__ import _names, main
 from ocformer.splitting import Strang
 
@@ -14,6 +20,40 @@ STEPS = (4, 8, 16)
 def test_fitted_slope_is_exact_on_power_laws():
     dts = [0.5, 0.25, 0.125]
     assert abs(fitted_slope(dts, [3 * h**2 for h in dts]) - 2.0) < 1e-12
+
+
+@pytest.mark.parametrize("error", [0.0, float("nan"), -1e-3])
+def test_a_slope_through_an_error_without_a_logarithm_is_refused(error):
+    """An error of 0 (exact) or NaN has no logarithm: polyfit would answer NaN."""
+    with pytest.raises(ValueError, match="needs positive, finite values; got errors"):
+        fitted_slope([0.5, 0.25, 0.125], [1e-2, 2.5e-3, error])
+    with pytest.raises(ValueError, match="needs positive, finite values"):
+        local_slopes([0.5, 0.25, 0.125], [1e-2, 2.5e-3, error])
+    with pytest.raises(ValueError, match="got 2 step sizes and 3 errors"):
+        fitted_slope([0.5, 0.25], [1e-2, 2.5e-3, 1e-4])
+
+
+def test_a_step_count_with_zero_error_is_skipped_as_exact():
+    """A step count that equals the reference has error 0: it is listed under skipped
+    as exact and the slope is fitted through the others (not NaN)."""
+    import jax.numpy as jnp
+    import jax.random as jr
+
+    from ocformer.analysis._convergence import _scheme_study
+    from ocformer.integration import Discretisation
+    from ocformer.models import reformulate
+    from ocformer.splitting import Lie
+
+    model = study_model("pre")
+    u0 = jr.normal(jr.PRNGKey(0), (5, 8), jnp.float64)
+    # The reference is Lie itself at 16 steps per layer: that count is exact.
+    u_ref = reformulate(model, discretisation=Discretisation(Lie(), steps_per_layer=16))(u0)
+    column = _scheme_study("lie", Lie(), model, u0, u_ref, (4, 8, 16), 1.0, None)
+    assert column["steps_per_layer"] == [4, 8]
+    assert column["skipped"] == [
+        dict(steps_per_layer=16, status="exact", reason="the error is 0 (equal to the reference)")
+    ]
+    assert column["slope"] == pytest.approx(column["local_slopes"][0]) and column["slope"] > 0
 
 
 @pytest.mark.parametrize("formulation", ["pre", pytest.param("projected", marks=pytest.mark.slow)])

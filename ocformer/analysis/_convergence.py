@@ -38,16 +38,43 @@ REFERENCE_FACTOR = 8
 MAX_REFERENCE_STEPS_PER_LAYER = REFERENCE_FACTOR * 4096
 
 
+def _log_points(dts: Sequence[float], errors: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """log(dt) and log(error), refusing what has no logarithm or no slope."""
+    x, y = np.asarray(dts, float), np.asarray(errors, float)
+    if x.ndim != 1 or x.shape != y.shape or len(x) < 2:
+        raise ValueError(
+            f"A slope needs two or more step sizes and as many errors; got {len(x)} step "
+            f"sizes and {len(y)} errors."
+        )
+    for name, v in (("step size", x), ("error", y)):
+        bad = [float(a) for a in v if not (np.isfinite(a) and a > 0)]
+        if bad:
+            exact = " (an error of 0 is exact there: leave that point out)" if 0 in bad else ""
+            raise ValueError(
+                f"A log-log slope needs positive, finite values; got {name}s {bad}{exact}."
+            )
+    return np.log(x), np.log(y)
+
+
 def fitted_slope(dts: Sequence[float], errors: Sequence[float]) -> float:
-    """Least-squares slope of log(error) against log(dt)."""
-    x, y = np.log(np.asarray(dts, float)), np.log(np.asarray(errors, float))
+    """Least-squares slope of log(error) against log(dt).
+
+    Raises:
+        ValueError: for fewer than two points, lengths that differ, or a step size or
+            error that is not positive and finite.
+    """
+    x, y = _log_points(dts, errors)
     return float(np.polyfit(x, y, 1)[0])
 
 
 def local_slopes(dts: Sequence[float], errors: Sequence[float]) -> list[float]:
     """The slopes of log(error) against log(dt) between consecutive points: where they
-    settle is the asymptotic order, which a fit over all points may average away."""
-    x, y = np.log(np.asarray(dts, float)), np.log(np.asarray(errors, float))
+    settle is the asymptotic order, which a fit over all points may average away.
+
+    Raises:
+        ValueError: as ``fitted_slope``.
+    """
+    x, y = _log_points(dts, errors)
     return [float(s) for s in np.diff(y) / np.diff(x)]
 
 
@@ -227,9 +254,10 @@ def convergence_study(
         errors, fitted slope, local slopes, the scheme's ``order()``, and the sub-solver
         used (with a note when it was chosen for the scheme), and the study's
         ``steps_per_layer``; for ``"relaxed"``, per epsilon. A step count the rules
-        refuse for a scheme, or whose solve fails, is left out of its column and listed
-        under its ``skipped`` (step count, status, reason); a scheme left with fewer
-        than two counts is recorded as ``{"status": "refused" | "failed", "reason":
+        refuse for a scheme, whose solve fails or is not finite, or whose error is 0
+        (no logarithm), is left out of its column and listed under its ``skipped``
+        (step count, status ``refused``, ``failed`` or ``exact``, reason); a scheme
+        left with fewer than two counts is recorded as ``{"status": ..., "reason":
         ...}``. The other schemes are computed either way.
     """
     if isinstance(schemes, str):  # iterated, it would be one scheme per character
@@ -383,10 +411,11 @@ def _scheme_study(
     relaxation_eps: float | None,
 ) -> dict:  # fmt: skip
     """One scheme's column: its errors against ``u_ref`` over ``steps`` per layer and
-    the fitted order. A step count the rules refuse or whose solve fails is left out
-    and listed under ``skipped`` (with its status and reason), the slopes fitted on the
-    others; with fewer than two left the column is ``{"status": "refused" | "failed",
-    "reason": ...}`` (the study goes on with the other schemes)."""
+    the fitted order. A step count the rules refuse, whose solve fails or is not
+    finite, or whose error is 0 is left out and listed under ``skipped`` (with its
+    status and reason), the slopes fitted on the others; with fewer than two left the
+    column is ``{"status": "refused" | "failed" | "exact", "reason": ...}`` (the study
+    goes on with the other schemes)."""
     splitting = isinstance(stepper, AbstractSplittingSolver)
     sub_solver = stepper.sub_solver if splitting else None  # a diffrax solver has none
     computed, errors, dts, skipped = [], [], [], []
@@ -398,7 +427,7 @@ def _scheme_study(
                 discretisation=Discretisation(stepper, steps_per_layer=m, rtol=1e-10, atol=1e-12),
             )
             expected = discrete.order()
-            errors.append(_error(discrete(u0), u_ref))
+            error = _error(discrete(u0), u_ref)
         except IncompatibleError as e:
             skipped.append(dict(steps_per_layer=m, status="refused", reason=str(e)))
             continue
@@ -407,7 +436,16 @@ def _scheme_study(
                 dict(steps_per_layer=m, status="failed", reason=f"{type(e).__name__}: {e}")
             )
             continue
+        if not (math.isfinite(error) and error > 0):  # no logarithm: no slope through it
+            status, reason = (
+                ("exact", "the error is 0 (equal to the reference)")
+                if error == 0
+                else ("failed", f"the error is {error} (the solution is not finite)")
+            )
+            skipped.append(dict(steps_per_layer=m, status=status, reason=reason))
+            continue
         computed.append(m)
+        errors.append(error)
         dts.append(length / m)
     if len(computed) < 2:  # no slope: the scheme's column is its first refusal
         first = skipped[0]

@@ -8,13 +8,20 @@ import diffrax
 import equinox as eqx
 import numpy as np
 
-from ..splitting import AbstractSplittingSolver, Lie
+from ..splitting import AbstractSplittingSolver, Lie, is_imex
 from ._depth import AbstractDepthParallel
 from ._gradients import AbstractGradientMethod, DiscretiseThenOptimise
 from ._grid import check_steps_per_layer
 
 StepSize = Literal["constant", "pid"]
 STEPSIZES: tuple[str, ...] = get_args(StepSize)
+
+
+def _steps_one_term(solver: diffrax.AbstractSolver) -> bool:
+    """An ODE solver: its terms are one ``diffrax.AbstractTerm`` (not an SDE's drift
+    and diffusion, nor a partitioned pair)."""
+    structure = solver.term_structure
+    return isinstance(structure, type) and issubclass(structure, diffrax.AbstractTerm)
 
 
 class Discretisation(eqx.Module):
@@ -97,6 +104,17 @@ class Discretisation(eqx.Module):
                 f"partitioned system (terms {self.stepper.term_structure}); the "
                 "Transformer's equation is one vector field (an ODE solver, or for the "
                 "relaxed formulation an IMEX solver such as KenCarp3)."
+            )
+        if not (
+            isinstance(self.stepper, AbstractSplittingSolver)  # (its terms: once bound)
+            or is_imex(self.stepper)
+            or _steps_one_term(self.stepper)
+        ):
+            raise ValueError(
+                f"Discretisation.stepper {type(self.stepper).__name__} is a stochastic "
+                "(SDE) solver: it takes a drift and a diffusion term driven by a Brownian "
+                "motion, and the Transformer's equation is a deterministic ODE. Use an ODE "
+                "solver (ocformer.splitting.SOLVERS: heun, tsit5, ...) or a splitting scheme."
             )
         if not isinstance(self.gradient, AbstractGradientMethod):
             raise ValueError(
