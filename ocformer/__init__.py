@@ -9,25 +9,51 @@ keeps the equation (``ContinuousTransformer``) apart from its numerics
 
 import importlib as _importlib
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError, version as _version
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from .config import Config as Config
-from .convert import from_layers as from_layers, to_layers as to_layers
-from .integration import (
-    Direct as Direct,
-    Discretisation as Discretisation,
-    DiscretiseThenOptimise as DiscretiseThenOptimise,
-    OptimiseThenDiscretise as OptimiseThenDiscretise,
-    StoredDots as StoredDots,
-    StoredProjections as StoredProjections,
-    StoredResiduals as StoredResiduals,
-)
-from .models import (
-    ContinuousTransformer as ContinuousTransformer,
-    SequenceModel as SequenceModel,
-    rediscretise as rediscretise,
-    refine as refine,
-)
-from .splitting import Hybrid as Hybrid, Lie as Lie, Parallel as Parallel, Strang as Strang
+# The public names, each imported from its module on first use: importing the package
+# alone imports no JAX, so that a command line (`python -m ocformer.train`) can take
+# charge of Ctrl-C before JAX loads (see ocformer.train).
+_EXPORTS = {
+    "Config": ".config",
+    "from_layers": ".convert",
+    "to_layers": ".convert",
+    "Direct": ".integration",
+    "Discretisation": ".integration",
+    "DiscretiseThenOptimise": ".integration",
+    "OptimiseThenDiscretise": ".integration",
+    "StoredDots": ".integration",
+    "StoredProjections": ".integration",
+    "StoredResiduals": ".integration",
+    "ContinuousTransformer": ".models",
+    "SequenceModel": ".models",
+    "rediscretise": ".models",
+    "refine": ".models",
+    "Hybrid": ".splitting",
+    "Lie": ".splitting",
+    "Parallel": ".splitting",
+    "Strang": ".splitting",
+}
+
+if _TYPE_CHECKING:
+    from .config import Config as Config
+    from .convert import from_layers as from_layers, to_layers as to_layers
+    from .integration import (
+        Direct as Direct,
+        Discretisation as Discretisation,
+        DiscretiseThenOptimise as DiscretiseThenOptimise,
+        OptimiseThenDiscretise as OptimiseThenDiscretise,
+        StoredDots as StoredDots,
+        StoredProjections as StoredProjections,
+        StoredResiduals as StoredResiduals,
+    )
+    from .models import (
+        ContinuousTransformer as ContinuousTransformer,
+        SequenceModel as SequenceModel,
+        rediscretise as rediscretise,
+        refine as refine,
+    )
+    from .splitting import Hybrid as Hybrid, Lie as Lie, Parallel as Parallel, Strang as Strang
 
 
 def __getattr__(name: str):
@@ -36,7 +62,15 @@ def __getattr__(name: str):
     # `python -m ocformer.train` does not find it already imported (runpy warns).
     if name == "train":
         return _importlib.import_module(".train", __name__)
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value  # the next look-up finds it without this function
+        return value
     raise AttributeError(f"module 'ocformer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, "train"})
 
 
 try:

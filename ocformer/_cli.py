@@ -5,14 +5,17 @@ The line reads as argparse's own errors do (``PROG: error: MESSAGE``), so a bad 
 and a bad configuration look alike to a user and to whatever reads the process's last
 line (the sweep records it as a point's error). Every ``main(argv)`` of the package
 reports through :func:`fail`. The module also holds what the commands know of
-processes: the parent a supervised child ends with, and whether a recorded process runs.
+processes: the parent a supervised child ends with, and whether a recorded process runs,
+and what a command does with a Ctrl-C while it starts.
 """
 
 import contextlib
 import ctypes
+import gc
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -108,6 +111,58 @@ def process_exists(pid: int) -> bool:
     except PermissionError:  # someone else's process: it exists
         return True
     return True
+
+
+def in_gc_callback(frame) -> bool:
+    """Whether ``frame`` (where a signal handler was called) runs inside one of the
+    garbage collector's callbacks (jax has one), where an exception is printed and
+    ignored."""
+    codes = {getattr(c, "__code__", None) for c in gc.callbacks} - {None}
+    while frame is not None and codes:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+# A Ctrl-C while a command starts (``record_interrupts``): whether one came, and whether
+# the command's imports are done (from then on it raises KeyboardInterrupt).
+_interrupt = {"came": False, "raises": False}
+
+
+def _starting_interrupt(signum, frame) -> None:
+    del signum
+    _interrupt["came"] = True
+    if _interrupt["raises"] and not in_gc_callback(frame):
+        raise KeyboardInterrupt
+
+
+def record_interrupts() -> None:
+    """Take charge of Ctrl-C while a command starts, before it imports JAX.
+
+    Python's own handler raises ``KeyboardInterrupt`` wherever the signal lands: inside
+    an import it ends in a long traceback (and the half-loaded runtime aborts the
+    process at exit), inside JAX's garbage-collection callback it is printed and
+    ignored and the command goes on as if no Ctrl-C had come. Here a Ctrl-C is noted
+    (``interrupted``); once ``raise_interrupts`` is called (the imports done) it raises
+    ``KeyboardInterrupt`` as usual, except in a garbage-collection callback, where it is
+    only noted for the command to act on at its next check. Only from the main thread,
+    and not where Ctrl-C is ignored (a command started in the background by a script).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, _starting_interrupt)
+
+
+def raise_interrupts() -> None:
+    """From now on, a Ctrl-C raises ``KeyboardInterrupt`` (see ``record_interrupts``)."""
+    _interrupt["raises"] = True
+
+
+def interrupted() -> bool:
+    """Whether a Ctrl-C came since ``record_interrupts`` (raised or only noted)."""
+    return _interrupt["came"]
 
 
 _skip_shutdown = False

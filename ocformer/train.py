@@ -13,6 +13,12 @@ corrupted checkpoint), 3 solver failure, 4 non-finite values (abort), 143 preemp
 SIGTERM (checkpoint written).
 """
 
+# ruff: noqa: E402 (the imports after the first wait for the command's Ctrl-C handler)
+from ._cli import record_interrupts
+
+if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not lost
+    record_interrupts()
+
 import argparse
 import logging
 import os
@@ -23,7 +29,7 @@ import types
 
 import jax
 
-from ._cli import exit_with, fail, skip_shutdown
+from ._cli import exit_with, fail, interrupted, raise_interrupts, skip_shutdown
 from .checkpointing import CheckpointError, CheckpointManager
 from .config import ConfigError, apply_overrides, load_experiment, validate
 from .distributed import DistributedError, initialize, lost_peer
@@ -88,7 +94,26 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
+    raise_interrupts()  # the imports are done: a Ctrl-C from now on raises
     args = _parser().parse_args(argv)
+    try:
+        return _run(args, argv)
+    except KeyboardInterrupt:
+        _exit_at_once_on_interrupt()
+        # A save the interrupt cut short is left uncommitted (the next run removes it);
+        # orbax's background threads, finding their executor shut down, would log
+        # tracebacks of it while the interpreter ends.
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+        # An interrupt during a compilation leaves XLA's compiler threads working; the
+        # run's files are closed, so the process ends without the interpreter's shutdown.
+        skip_shutdown()
+        return fail(_PROGRAM, 130, f"interrupted; {_resume_point(args.workdir)}")
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The command of ``args``; a Ctrl-C is ``main``'s to report."""
+    if interrupted():  # noted while the command started (see record_interrupts)
+        raise KeyboardInterrupt
     try:
         # Validated here (64-bit JAX is chosen from model.dtype, before anything is
         # compiled) and by train(), before anything is built or written.
@@ -129,16 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             f"process {jax.process_index()}: a collective with the other processes failed "
             f"({first}): another process of the run has ended; {_resume_point(args.workdir)}",
         )
-    except KeyboardInterrupt:
-        _exit_at_once_on_interrupt()
-        # A save the interrupt cut short is left uncommitted (the next run removes it);
-        # orbax's background threads, finding their executor shut down, would log
-        # tracebacks of it while the interpreter ends.
-        logging.getLogger("absl").setLevel(logging.CRITICAL)
-        # An interrupt during a compilation leaves XLA's compiler threads working; the
-        # run's files are closed, so the process ends without the interpreter's shutdown.
-        skip_shutdown()
-        return fail(_PROGRAM, 130, f"interrupted; {_resume_point(args.workdir)}")
     return ExitCode.OK
 
 

@@ -817,6 +817,82 @@ def test_a_ctrl_c_that_python_ignores_still_stops_the_run():
     assert "Exception ignored" not in done.stderr, done.stderr  # not raised in there
 
 
+def test_a_ctrl_c_while_the_command_starts_is_noted_and_stops_the_run():
+    """Before the loop's guard, the command line's own handler (``record_interrupts``):
+    while JAX imports it only notes a Ctrl-C (Python's handler raised it inside the
+    import: a long traceback, and the runtime aborted at exit), and once the imports
+    are done it raises, except inside a garbage-collection callback, where it is noted
+    and the guard, when the run starts, stops the run at its first step."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, signal\n"
+        "from ocformer import _cli\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored\n"
+        "_cli.record_interrupts()\n"
+        "signal.raise_signal(signal.SIGINT)  # importing: noted only\n"
+        "sum(range(10))\n"
+        "print('noted', _cli.interrupted(), flush=True)\n"
+        "_cli.raise_interrupts()\n"
+        "def callback(phase, info):\n"
+        "    if phase == 'start':\n"
+        "        signal.raise_signal(signal.SIGINT)\n"
+        "        sum(range(10))  # the handler runs at a bytecode boundary in here\n"
+        "gc.callbacks.append(callback)\n"
+        "gc.collect()\n"
+        "gc.callbacks.remove(callback)\n"
+        "print('not raised in the callback', flush=True)\n"
+        "from ocformer.training import _preempt\n"
+        "with _preempt.PreemptionGuard(60.0) as guard:\n"
+        "    try:\n"
+        "        guard.check_interrupted()\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('the run stops', flush=True)\n"
+        "try:\n"
+        "    signal.raise_signal(signal.SIGINT)\n"
+        "    sum(range(10))\n"
+        "except KeyboardInterrupt:\n"
+        "    print('raised', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "noted True", "not raised in the callback", "the run stops", "raised"
+    ], (done.stdout, done.stderr[-2000:])  # fmt: skip
+    assert "Exception ignored" not in done.stderr, done.stderr
+
+
+def test_a_ctrl_c_while_jax_imports_ends_the_command_in_one_line(tmp_path):
+    """A Ctrl-C 0.4 s after ``python -m ocformer.train`` started (JAX importing) ended
+    in a traceback of some hundred lines and exit 134 (or, landing in JAX's
+    garbage-collection callback, was ignored and the run went on): now it is the
+    command's one line, exit 130, and nothing is written."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ocformer.train", "--config", SMOKE, "--workdir", str(workdir)]
+    proc = subprocess.Popen(
+        [*cmd, "--set", "train.progress=false"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        # Ctrl-C as at a terminal (a suite started in the background ignores it).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("ocformer.train: error: interrupted; "), err
+    assert not workdir.exists() or "nothing was trained" in err
+
+
 def test_a_library_caller_survives_a_second_interrupt(monkeypatch):
     """In a notebook a second interrupt while the run stops raises KeyboardInterrupt
     again (the kernel lives on); only the command line makes it end the process."""

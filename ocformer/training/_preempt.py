@@ -2,7 +2,6 @@
 while the run is stopping as a request to exit at once."""
 
 import contextlib
-import gc
 import os
 import signal
 import sys
@@ -10,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from .._cli import in_gc_callback, interrupted
 from ._errors import ExitCode
 
 # Whether a second SIGINT while a run stops ends the process at once (the command line)
@@ -111,7 +111,7 @@ class PreemptionGuard:
         if self._holding:
             self._held = True
             return
-        if _in_gc_callback(frame):  # Python would print and ignore it there
+        if in_gc_callback(frame):  # Python would print and ignore it there
             return  # check_interrupted raises it at the next step
         raise KeyboardInterrupt
 
@@ -151,6 +151,9 @@ class PreemptionGuard:
         os._exit(int(ExitCode.PREEMPTED))
 
     def __enter__(self):
+        # A Ctrl-C the command line noted while it started, where it could not raise
+        # (``ocformer._cli.record_interrupts``), stops the run at its first step.
+        self.interrupted = self.interrupted or interrupted()
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
             self._previous_interrupt = signal.signal(signal.SIGINT, self._interrupt)
@@ -237,17 +240,6 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _in_gc_callback(frame) -> bool:
-    """Whether ``frame`` (where a signal handler was called) runs inside one of the
-    garbage collector's callbacks, where an exception is printed and ignored."""
-    codes = {getattr(c, "__code__", None) for c in gc.callbacks} - {None}
-    while frame is not None and codes:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def exit_at_once(signum=None, frame=None) -> None:
