@@ -145,8 +145,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         if not lost_peer(e):
             raise
         # Another process ended (killed, or failed): its own report is the cause; this
-        # one says where the run stands, without the runtime's traceback.
+        # one says where the run stands, without the runtime's traceback, and ends
+        # without the interpreter's shutdown, whose barrier with the process that is
+        # gone would end this one in the runtime's abort (exit 134) after a timeout.
         logging.getLogger("absl").setLevel(logging.CRITICAL)
+        skip_shutdown()
         first = str(e).strip().splitlines()[0][:300]
         return fail(
             _PROGRAM,

@@ -141,4 +141,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from ocformer._cli import exit_with
+
+    exit_with(lambda: main(sys.argv[1:]))  # as python -m ocformer.train ends

@@ -242,6 +242,38 @@ def test_mismatched_process_counts_are_refused_by_both(env):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group(name="distributed")
+def test_a_process_started_by_hand_whose_peer_is_killed_exits_with_the_lost_peer_code(
+    env, tmp_path
+):
+    """Two processes started by hand (as SLURM's tasks are, with no launcher to stop
+    the other): process 1 SIGKILLs itself at its third update. Process 0 reports the
+    failed collective and exits 5 at once (it waited in the interpreter's shutdown at a
+    barrier with the dead process until the runtime aborted it: exit 134 and a native
+    stack trace, 15 s later)."""
+    address = f"127.0.0.1:{_free_port()}"
+    workdir = tmp_path / "run"
+    marker = workdir / "checkpoints" / "step_2" / MARKER
+    faults = os.path.join(ROOT, "tests", "_faults.py")
+    fault = [sys.executable, faults, "--kill-at", "3", "--process", "1", "--after", str(marker)]
+    procs = [
+        subprocess.Popen(
+            [*fault, "--", *_train_command(workdir)],
+            env={**env, "OCFORMER_COORDINATOR": address, "OCFORMER_NUM_PROCESSES": "2",
+                 "OCFORMER_PROCESS_ID": str(i)},
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    _, err = procs[0].communicate(timeout=1200)
+    procs[1].communicate(timeout=600)
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == 5, err[-3000:]
+    assert "process 0: a collective with the other processes failed" in err, err[-3000:]
+    assert "Terminating process" not in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group(name="distributed")
 def test_a_work_directory_that_the_processes_do_not_share_is_refused_by_all(env, tmp_path):
     """Two processes whose work directories differ (as a path on each host's local disk
     would): each sees only its own file, so every process refuses the directory
