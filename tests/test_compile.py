@@ -89,10 +89,25 @@ def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_compile_cache_dir() == str(tmp_path / "home" / ".cache" / "ocformer" / "jax")
-    monkeypatch.setenv(COMPILE_CACHE_ENV, "off")
-    assert enable_compile_cache() is None
-    monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "mine"))
     previous = getattr(jax.config, "jax_compilation_cache_dir", None)
+    enabled = jax.config.jax_enable_compilation_cache  # pyright: ignore
+    try:
+        # Off is off even where JAX was given a directory itself (it used that one).
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "given"))
+        monkeypatch.setenv(COMPILE_CACHE_ENV, "off")
+        assert enable_compile_cache() is None
+        assert jax.config.jax_enable_compilation_cache is False  # pyright: ignore
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        jax.config.update("jax_compilation_cache_dir", previous)
+    # A ~ is the home directory (it made a folder named '~' in the working directory).
+    monkeypatch.setenv(COMPILE_CACHE_ENV, "~/cache")
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert enable_compile_cache() == str(tmp_path / "home" / "cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "mine"))
     try:
         jax.config.update("jax_compilation_cache_dir", str(tmp_path / "given"))
         assert enable_compile_cache() == str(tmp_path / "given")

@@ -52,10 +52,10 @@ def default_compile_cache_dir() -> str:
 def enable_compile_cache() -> str | None:
     """Turn on JAX's persistent compilation cache; return its directory (None: off).
 
-    The directory is ``$OCFORMER_COMPILE_CACHE`` if set to a path, else
-    ``default_compile_cache_dir()``; ``OCFORMER_COMPILE_CACHE=off`` (or ``0``) leaves
-    the cache off. A cache directory the user gave JAX itself
-    (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept. JAX reads the setting
+    The directory is ``$OCFORMER_COMPILE_CACHE`` if set to a path (``~`` expanded),
+    else ``default_compile_cache_dir()``; ``OCFORMER_COMPILE_CACHE=off`` (or ``0``)
+    turns the cache off, one the user gave JAX itself too. A cache directory the user
+    gave JAX (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``) is kept. JAX reads the setting
     at its first compilation, so call this before anything is compiled (the command
     line does); later calls in a process that has compiled already change nothing.
     Programs that call back to the host (equinox's run-time checks) are never stored
@@ -63,11 +63,13 @@ def enable_compile_cache() -> str | None:
     """
     choice = os.environ.get(COMPILE_CACHE_ENV, "").strip()
     if choice.lower() in _OFF and choice:
+        # Off, even where JAX was given a directory of its own (JAX_COMPILATION_CACHE_DIR).
+        jax.config.update("jax_enable_compilation_cache", False)
         return None
     existing = getattr(jax.config, "jax_compilation_cache_dir", None)
     if existing:
         return existing
-    path = choice or default_compile_cache_dir()
+    path = os.path.expanduser(choice) if choice else default_compile_cache_dir()
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
     return path
