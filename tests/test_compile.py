@@ -52,6 +52,34 @@ def test_runs_differing_in_schedule_trace_the_step_once(tmp_path, monkeypatch):
     assert any(p.endswith(".trace.json.gz") for p in profiles), profiles
 
 
+def test_a_run_resumed_inside_the_profile_window_traces_what_is_left(tmp_path, capsys):
+    """A resume inside ``train.profile_steps`` traced nothing (the trace began only at
+    step A+1 exactly) and said nothing: it traces the steps left and says so; a resume
+    past the window says that nothing is traced."""
+    workdir = str(tmp_path / "run")
+    train(resolve(SMOKE, [*RUN, "train.steps=2"]), workdir)
+    capsys.readouterr()
+    config = resolve(SMOKE, [*RUN, "train.steps=4", "train.profile_steps=1:3"])
+    assert train(config, workdir, allow_config_change=True)["step"] == 4
+    out = capsys.readouterr().out
+    assert "train.profile_steps=1:3: the run resumes inside the window; tracing steps 3..3" in out
+    profiles = glob.glob(os.path.join(workdir, "profile", "plugins", "profile", "*", "*"))
+    assert any(p.endswith(".xplane.pb") for p in profiles), profiles
+    past = resolve(SMOKE, [*RUN, "train.steps=5", "train.profile_steps=1:4"])
+    assert train(past, workdir, allow_config_change=True)["step"] == 5
+    assert "resumes after step 4, past the window, so nothing is traced" in capsys.readouterr().out
+    # A run that stops inside the window (preempted) keeps the trace of its steps.
+    from ocformer.training._loop import _Profile
+
+    profile = _Profile("1:3", str(tmp_path / "stopped"), True, 0)
+    profile.before(2)
+    profile.after(2, None)
+    profile.stop()
+    said = capsys.readouterr().out
+    assert "stopped inside train.profile_steps=1:3: the trace in" in said
+    assert said.strip().endswith("holds steps 2..2"), said
+
+
 def test_learning_rate_in_the_state_follows_the_schedule():
     """The rate the optimiser applies after n updates is the schedule's value at n
     (optax's warmup-cosine formula), and a new schedule keeps the count."""

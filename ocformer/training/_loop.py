@@ -249,27 +249,54 @@ class _Pending:
 class _Profile:
     """A ``jax.profiler`` trace of steps ``A+1 .. B`` (``train.profile_steps="A:B"``) in
     ``DIR/profile``: started before step A+1 is dispatched, stopped once step B's
-    results exist."""
+    results exist. A run resumed inside the window traces what is left of it; one that
+    stops inside it keeps the trace of the steps it ran; both are said on stdout."""
 
-    def __init__(self, text: str | None, directory: str, active: bool):
+    def __init__(self, text: str | None, directory: str, active: bool, start: int):
         self.span = None if text is None or not active else tuple(map(int, text.split(":")))
-        self.directory, self.running = directory, False
+        self.directory, self.running, self.first, self.last = directory, False, None, None
+        if self.span is not None and start >= self.span[1]:
+            print(
+                f"ocformer: train.profile_steps={text}: the run resumes after step "
+                f"{start}, past the window, so nothing is traced",
+                flush=True,
+            )
 
     def before(self, step: int) -> None:
         """Called with the number of the step about to run."""
-        if self.span is not None and step == self.span[0] + 1:
+        if self.span is None or self.running or self.first is not None:
+            return
+        a, b = self.span
+        if a < step <= b:
+            if step > a + 1:
+                print(
+                    f"ocformer: train.profile_steps={a}:{b}: the run resumes inside the "
+                    f"window; tracing steps {step}..{b}",
+                    flush=True,
+                )
             jax.profiler.start_trace(self.directory)
-            self.running = True
+            self.running, self.first = True, step
 
     def after(self, step: int, state) -> None:
-        if self.running and self.span is not None and step == self.span[1]:
+        if not self.running:
+            return
+        self.last = step
+        if self.span is not None and step == self.span[1]:
             jax.block_until_ready(state)
             self.stop()
 
     def stop(self) -> None:
-        if self.running:
-            self.running = False
-            jax.profiler.stop_trace()
+        if not self.running:
+            return
+        self.running = False
+        jax.profiler.stop_trace()
+        if self.span is not None and self.last != self.span[1]:
+            ran = "no step" if self.last is None else f"steps {self.first}..{self.last}"
+            print(
+                f"ocformer: the run stopped inside train.profile_steps={self.span[0]}:"
+                f"{self.span[1]}: the trace in {self.directory} holds {ran}",
+                flush=True,
+            )
 
 
 class _Evaluation:
@@ -596,7 +623,7 @@ class _Loop:
         self.last: dict = {}  # the newest fetched record
         self.pending = _Pending()
         self.profile = _Profile(
-            self.tc.profile_steps, os.path.join(run.path, "profile"), is_primary()
+            self.tc.profile_steps, os.path.join(run.path, "profile"), is_primary(), step
         )
         self.several = layout.processes > 1
         self.timings = _Timings()
