@@ -639,3 +639,26 @@ def test_an_evaluation_under_a_diffrax_solver_drops_the_trained_sub_solver():
         evaluation_config(
             trained, ["discretisation.stepper=tsit5", "discretisation.sub_solver=midpoint"]
         )
+
+
+def test_an_evaluation_refusal_says_which_remedies_an_evaluation_cannot_take():
+    """A refusal whose remedies include a field of the trained run (model.precision
+    under bfloat16 with an implicit solver; the formulation of a post-LN run refined)
+    says that the evaluation cannot change it; one naming the discretisation alone is
+    left as it is."""
+    from ocformer.evaluation import evaluation_config
+
+    bf16 = resolve(SMOKE, ["model.precision=bfloat16"])
+    with pytest.raises(ConfigError) as e:
+        evaluation_config(bf16, ["discretisation.stepper=kvaerno3"])
+    assert e.value.field == "model.precision"
+    assert str(e.value).endswith(
+        "(model.precision belongs to the trained run, which an evaluation does not "
+        "change: of these remedies, take one in the discretisation.)"
+    )
+    post = resolve(SMOKE, ["model.norm=post"])
+    with pytest.raises(ConfigError, match=r"\(controls.norm_affine, model.formulation belong"):
+        evaluation_config(post, ["discretisation.steps_per_layer=2"])
+    with pytest.raises(ConfigError) as e:
+        evaluation_config(bf16, ["discretisation.stepsize=pid"])
+    assert "belong" not in str(e.value)

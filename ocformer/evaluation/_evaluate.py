@@ -9,6 +9,7 @@ controls, readout) and rebuilds everything else from the changed configuration.
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Sequence
 
@@ -102,6 +103,27 @@ def check_evaluation_field(key: str) -> None:
         )
 
 
+def _for_evaluation(error: ConfigError) -> ConfigError:
+    """``error`` with a word on the remedies it names that an evaluation cannot take
+    (a field of the trained run, such as ``model.precision``), if it names any."""
+    message = str(error)
+    named = {
+        field
+        for field in re.findall(r"\b(?:model|controls|optimiser|train|task|mesh)\.\w+", message)
+        if field not in VALIDATION_SET_FIELDS and field != MOVED_FIELD
+    }
+    if not named:
+        return error
+    fixed = ", ".join(sorted(named))
+    verb = "belongs" if len(named) == 1 else "belong"
+    return ConfigError(
+        error.field,
+        f"{message.removeprefix(f'{error.field}: ')}. ({fixed} {verb} to the trained run, "
+        "which an evaluation does not change: of these remedies, take one in the "
+        "discretisation.)",
+    )
+
+
 def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
     """The validated configuration that evaluates a run of ``config`` under its
     discretisation changed by ``overrides``. The fields that act on training only, or
@@ -132,7 +154,7 @@ def evaluation_config(config: Config, overrides: Sequence[str]) -> Config:
             return validate(changed)
         except ConfigError as e:
             if e.field not in FOLLOWING_FIELDS or e.field in given:
-                raise
+                raise _for_evaluation(e) from None
             given.add(e.field)  # reset once: a refusal after it is the override's
             section, name = e.field.split(".", 1)
             default = getattr(getattr(Config(), section), name)
