@@ -210,6 +210,9 @@ def test_nonfinite_update_aborts_without_checkpointing_it(tmp_path, monkeypatch)
     assert e.value.step == 3 and e.value.source == "loss"
     assert "non-finite loss at training step 3" in str(e.value)
     assert "EQX_ON_ERROR" not in str(e.value)
+    # Clipping is on by default (1.0): the advice is to lower it, not to enable it.
+    assert "Lower optimiser.learning_rate, lower optimiser.clip_norm (now 1)," in str(e.value)
+    assert "enable optimiser.clip_norm" in str(NonFiniteError(3, "loss"))
     # Under EQX_ON_ERROR=nan a failed solve is a NaN loss: the message says so.
     monkeypatch.setenv("EQX_ON_ERROR", "nan")
     assert "a failed solve is NaN too: run without it" in str(NonFiniteError(3, "loss"))
@@ -674,7 +677,7 @@ def test_the_sigterm_grace_period_runs_out_inside_a_long_compiled_computation():
         "    return y\n"
         "x = jnp.ones((64, 64))\n"
         "long.lower(x).compile()\n"
-        "with PreemptionGuard(1.0):\n"
+        "with PreemptionGuard(1.0, lambda: 'No checkpoint was committed yet.'):\n"
         "    print('running', flush=True)\n"
         "    long(x).block_until_ready()\n"
         "print('finished', flush=True)\n"
@@ -689,6 +692,9 @@ def test_the_sigterm_grace_period_runs_out_inside_a_long_compiled_computation():
     out, err = run.communicate(timeout=300)
     assert run.returncode == 143, (out, err[-2000:])
     assert "grace period of 1.0s expired" in err and "finished" not in out
+    # Where a rerun resumes, as the run knows it (it named "the previous checkpoint" of
+    # a run that had none).
+    assert "exiting. No checkpoint was committed yet." in err, err[-2000:]
     assert time.monotonic() - sent < 10  # the computation alone takes far longer
 
 

@@ -127,11 +127,13 @@ class NonFiniteError(TrainingError):
     "parameters" or "optimiser state") at step ``step`` with
     ``train.on_nonfinite="abort"``. No checkpoint holding it is ever written;
     ``checkpoint`` is the newest committed one (the resume point), None if there is
-    none yet."""
+    none yet; ``clip_norm`` the run's gradient clipping, if any (the advice names it)."""
 
     exit_code = ExitCode.NON_FINITE
 
-    def __init__(self, step: int, source: str, checkpoint: str | None = None):
+    def __init__(
+        self, step: int, source: str, checkpoint: str | None = None, clip_norm: float | None = None
+    ):
         self.source = source
         self.checkpoint = checkpoint
         if checkpoint is None:
@@ -145,10 +147,15 @@ class NonFiniteError(TrainingError):
             if os.environ.get("EQX_ON_ERROR") == "nan"
             else ""
         )
+        clip = (
+            "enable optimiser.clip_norm"
+            if clip_norm is None
+            else f"lower optimiser.clip_norm (now {clip_norm:g})"
+        )
         super().__init__(
             step,
             f"non-finite {source} at training step {step} (NaN or Inf); aborting. {where} "
-            "Lower optimiser.learning_rate, enable optimiser.clip_norm, or set "
+            f"Lower optimiser.learning_rate, {clip}, or set "
             f"train.on_nonfinite=skip to skip such updates.{solve}",
         )
 

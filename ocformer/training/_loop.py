@@ -653,13 +653,22 @@ class _Loop:
         # Batches are only placed on the devices (no program runs), so a run of several
         # processes prefetches them too.
         self.prefetch = _Prefetch(produce, self.step, tc.steps, PREFETCH_DEPTH)
-        with self.bar, self.prefetch, PreemptionGuard(tc.preempt_grace_s) as guard:
+        guard = PreemptionGuard(tc.preempt_grace_s, self._resume_point)
+        with self.bar, self.prefetch, guard:
             try:
                 while self.step < tc.steps:
                     self._next(guard)
             finally:
                 self.profile.stop()
         self.seconds = time.perf_counter() - self.started
+
+    def _resume_point(self) -> str:
+        """Where a rerun of the run resumes: its newest committed checkpoint."""
+        checkpoints = self.directory.checkpoints
+        latest = None if checkpoints is None else checkpoints.latest()
+        if checkpoints is None or latest is None:
+            return "No checkpoint was committed yet: a rerun starts from step 0."
+        return f"The newest committed checkpoint, {checkpoints.path(latest)}, is the resume point."
 
     def wait_fraction(self) -> float:
         """The share of the loop's wall time spent waiting for a batch."""
@@ -740,7 +749,8 @@ class _Loop:
         as skipped otherwise (it was discarded inside the step)."""
         bad, values = self.pending.check()
         if bad and self.tc.on_nonfinite == "abort":
-            raise NonFiniteError(bad[0][0], bad[0][1], self.directory.checkpoint)
+            clip = self.config.optimiser.clip_norm if self.exp.method is None else None
+            raise NonFiniteError(bad[0][0], bad[0][1], self.directory.checkpoint, clip)
         self.skipped += len(bad)
         # The learning rate this update used (the schedule advances on applied updates
         # only).

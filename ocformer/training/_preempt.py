@@ -7,7 +7,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .._cli import in_gc_callback, interrupted
 from ._errors import ExitCode
@@ -50,8 +50,10 @@ class PreemptionGuard:
     Handlers can only be installed from the main thread; elsewhere the guard is inert.
     """
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float, resume_point: Callable[[], str] | None = None):
         self.grace_s = grace_s
+        # Where a rerun resumes, said when the grace period expires (read then).
+        self.resume_point = resume_point
         self.requested_at: float | None = None
         self.interrupted = False
         self._holding = False  # in a block that defers a Ctrl-C (holding_interrupts)
@@ -142,10 +144,13 @@ class PreemptionGuard:
             raise KeyboardInterrupt
 
     def _expire(self):
+        where = "The previous checkpoint is the resume point."
+        if self.resume_point is not None:
+            with contextlib.suppress(Exception):  # the exit must not wait on it
+                where = self.resume_point()
         sys.stderr.write(
             f"\nocformer: SIGTERM grace period of {self.grace_s}s expired before a "
-            "checkpoint was committed; exiting. The previous checkpoint is the resume "
-            "point.\n"
+            f"checkpoint was committed; exiting. {where}\n"
         )
         sys.stderr.flush()
         os._exit(int(ExitCode.PREEMPTED))
