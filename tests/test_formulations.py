@@ -159,6 +159,27 @@ def test_projected_states_stay_on_s1(post, stepper):
     assert float(constraint_residual(post.control(0.0).norm2, u0)) > 1.0
 
 
+@pytest.mark.parametrize("stepper", [diffrax.Heun(), diffrax.Tsit5()], ids=["heun", "tsit5"])
+def test_projected_dynamics_jump_onto_each_layer_s_set(post, stepper):
+    """With piecewise-constant controls S_1 jumps at each layer boundary and the state
+    with it: the whole model equals its layers solved one after the other (each
+    projecting its input onto its own set), to rounding. The state stayed on the old
+    set into the next layer's first step: 0.1 off at 4 steps per layer, and every
+    solver first order."""
+    import equinox as eqx
+
+    values = jax.vmap(post.control)(jnp.arange(3.0) + 0.5)  # frozen at the midpoints
+    model = eqx.tree_at(lambda m: m.control, post, PiecewiseConstant(values))
+    u0 = study_input(model)
+    u = u0
+    for n in range(3):
+        layer = PiecewiseConstant(jax.tree.map(lambda x: x[n : n + 1], values))
+        one = eqx.tree_at(lambda m: m.control, model, layer)
+        u = rediscretise(one, stepper=stepper, steps_per_layer=4)(u)
+    whole = rediscretise(model, stepper=stepper, steps_per_layer=4)(u0)
+    assert float(jnp.max(jnp.abs(whole - u))) <= 1e-13
+
+
 @pytest.mark.slow
 def test_relaxation_converges_to_projected_dynamics():
     eps = (1e-1, 1e-2, 1e-3)

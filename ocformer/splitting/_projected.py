@@ -4,6 +4,7 @@ import dataclasses
 from typing import ClassVar
 
 import diffrax
+import jax.numpy as jnp
 
 from ..dynamics import project_onto_set
 
@@ -11,7 +12,9 @@ from ..dynamics import project_onto_set
 class ProjectedSolver(diffrax.AbstractSolver):
     r"""Any one-step solver followed by the projection onto $S_1(\theta(t_{n+1}))$.
 
-    $$u^{n+1} = P_{S_1(\theta(t_{n+1}))}\big(\Psi^{\delta t}(u^n)\big).$$
+    $$u^{n+1} = P_{S_1(\theta(t_{n+1}))}\big(\Psi^{\delta t}(u^n)\big),$$
+    and a step that starts just past a jump of the controls (``made_jump``) first
+    projects $u^n$ onto $S_1(\theta(t_n))$, the new set: the state jumps with them.
     Projecting after each step of a one-step method of order p keeps order p on the
     manifold (Hairer, Lubich, Wanner, *Geometric Numerical Integration*, IV.4), and
     the states lie on $S_1$ to rounding. The error estimate of an adaptive solver is
@@ -45,6 +48,13 @@ class ProjectedSolver(diffrax.AbstractSolver):
         return self.solver.init(terms, t0, t1, y0, args)
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
+        if made_jump is not False:
+            # The step starts just past a jump of the controls (a layer boundary of
+            # piecewise-constant ones): the state jumps with them, onto the new S_1.
+            # Left on the old set, the first step of every layer was off the manifold
+            # by O(1), and every solver first order.
+            on_new = project_onto_set(args.control(t0).norm2, y0)
+            y0 = jnp.where(made_jump, on_new, y0)
         y1, y_error, _, solver_state, result = self.solver.step(
             terms, t0, t1, y0, args, solver_state, made_jump
         )
