@@ -292,6 +292,11 @@ def test_steps_per_layer_is_refused_alike_by_the_discretisation_and_the_grid(ste
     # A numpy integer (from np.arange, a sweep's grid) is a step count.
     assert Discretisation(steps_per_layer=np.int64(3)).steps_per_layer == 3
     assert time_grid(control, np.int64(3), jnp.float32)[1] == 2 * 3
+    # Past 2^20 per layer the grid was built whole first (10^9: 15 GiB, a traceback).
+    with pytest.raises(ValueError, match=r"at most 1048576 \(2\^20; each step is a layer's"):
+        Discretisation(steps_per_layer=10**9)
+    with pytest.raises(ValueError, match=r"at most 1048576"):
+        time_grid(control, 2**20 + 1, jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------

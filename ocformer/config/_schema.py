@@ -16,7 +16,14 @@ from typing import Any
 
 from ..controls import CONTROL_KINDS, NORM_AFFINES
 from ..dynamics import SUB_SOLVERS
-from ..integration import COSTATES, DEPTH_PARALLEL, GRADIENT_METHODS, RELAXATIONS, STEPSIZES
+from ..integration import (
+    COSTATES,
+    DEPTH_PARALLEL,
+    GRADIENT_METHODS,
+    MAX_STEPS_PER_LAYER,
+    RELAXATIONS,
+    STEPSIZES,
+)
 from ..models import FORMULATIONS, NORM_POSITIONS, READOUTS, WEIGHT_DECAY_ON
 from ..objective import KERNEL_NORMS, PRECISIONS, TRAINING_METHODS
 from ..operators import ACTIVATIONS, ATTENTION_KERNELS
@@ -123,7 +130,9 @@ class DiscretisationConfig:
         "explicit sub-solver of a splitting scheme's smooth terms (order 1 or 2)",
         choices=SUB_SOLVERS,
     )
-    steps_per_layer: int = _field(1, "steps per layer m (dt = 1/m); 1 is the Transformer", ge=1)
+    steps_per_layer: int = _field(
+        1, "steps per layer m (dt = 1/m); 1 is the Transformer", ge=1, le=MAX_STEPS_PER_LAYER
+    )
     stepsize: str = _field(
         "constant", "step-size controller: constant steps or PID", choices=STEPSIZES
     )

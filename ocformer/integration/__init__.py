@@ -30,6 +30,7 @@ from ._gradients import (
 )
 from ._grid import (
     ADAPTIVE_STEPS_PER_LAYER as ADAPTIVE_STEPS_PER_LAYER,
+    MAX_STEPS_PER_LAYER as MAX_STEPS_PER_LAYER,
     BackwardGrid as BackwardGrid,
     StepOverJumps as StepOverJumps,
     adaptive_controller as adaptive_controller,
