@@ -33,6 +33,19 @@ def test_a_slope_through_an_error_without_a_logarithm_is_refused(error):
         fitted_slope([0.5, 0.25], [1e-2, 2.5e-3, 1e-4])
 
 
+def test_the_table_separates_long_scheme_names():
+    """A name of 14 characters or more filled its column: "hybridimplicit_euler"."""
+    from ocformer.analysis import format_table
+
+    refused = dict(status="refused", reason="r")
+    result = dict(
+        formulation="pre", seed=0, reference=dict(solver="tsit5", steps_per_layer=8),
+        error="max abs", steps_per_layer=[4], schemes={"hybrid": refused, "implicit_euler": refused},
+    )  # fmt: skip
+    header = format_table(result).splitlines()[1].split()
+    assert header == ["steps/layer", "hybrid", "implicit_euler"], header
+
+
 def test_a_step_count_with_zero_error_is_skipped_as_exact():
     """A step count that equals the reference has error 0: it is listed under skipped
     as exact and the slope is fitted through the others (not NaN)."""

@@ -498,26 +498,28 @@ def format_table(result: dict) -> str:
     cells = result["schemes"]
     names = list(cells)
     ok = [n for n in names if cells[n]["status"] == "ok"]
-    lines.append(f"{'steps/layer':>12}" + "".join(f"{n:>14}" for n in names))
+    # A column is at least two spaces wider than its name ("strang(2,1,0)", "implicit_euler").
+    w = max([14, *(len(n) + 2 for n in names)])
+    lines.append(f"{'steps/layer':>12}" + "".join(f"{n:>{w}}" for n in names))
 
     def cell(n, key, fmt, m=None):
         """The value of scheme ``n`` (at step count ``m``, or over the pair ``m``), or
         the status of what stands in its place."""
         c = cells[n]
         if c["status"] != "ok":
-            return f"{c['status']:>14}"
+            return f"{c['status']:>{w}}"
         if m is None:
-            return f"{format(c[key], fmt):>14}"
+            return f"{format(c[key], fmt):>{w}}"
         computed = c["steps_per_layer"]
         pairs = list(zip(computed, computed[1:]))
         index = pairs.index(m) if isinstance(m, tuple) and m in pairs else None
         if isinstance(m, int) and m in computed:
             index = computed.index(m)
         if index is not None:
-            return f"{format(c[key][index], fmt):>14}"
+            return f"{format(c[key][index], fmt):>{w}}"
         wanting = {s["steps_per_layer"]: s["status"] for s in c.get("skipped", [])}
         missing = [wanting[k] for k in (m if isinstance(m, tuple) else (m,)) if k in wanting]
-        return f"{(missing or ['-'])[0]:>14}"
+        return f"{(missing or ['-'])[0]:>{w}}"
 
     steps = result.get("steps_per_layer") or (cells[ok[0]]["steps_per_layer"] if ok else [])
     for m in steps:
