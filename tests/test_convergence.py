@@ -40,7 +40,8 @@ def test_the_table_separates_long_scheme_names():
     refused = dict(status="refused", reason="r")
     result = dict(
         formulation="pre", seed=0, reference=dict(solver="tsit5", steps_per_layer=8),
-        error="max abs", steps_per_layer=[4], schemes={"hybrid": refused, "implicit_euler": refused},
+        error="max abs", steps_per_layer=[4],
+        schemes={"hybrid": refused, "implicit_euler": refused},
     )  # fmt: skip
     header = format_table(result).splitlines()[1].split()
     assert header == ["steps/layer", "hybrid", "implicit_euler"], header
