@@ -189,6 +189,23 @@ def test_unreachable_coordinator_ends_with_address_and_timeout():
     assert 2 <= elapsed < 10
 
 
+def test_process_0_on_a_taken_port_is_told_so_before_jax_tries_it():
+    """Process 0 hosts the coordinator: on a port another program holds, JAX's service
+    failed to bind and ended the process in a segmentation fault (or said "Failed to
+    start RPC server", with the advice to start process 0 on that address). It is
+    refused first, naming the port as taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        with pytest.raises(DistributedError) as e:
+            initialize(address, 2, 0, timeout_s=2)
+    assert str(e.value) == (
+        f"process 0 of 2 hosts the coordinator at {address}, and its port is taken on "
+        "this machine (Address already in use); give every process another --coordinator port"
+    )
+
+
 # -- subprocesses ----------------------------------------------------------------------
 
 

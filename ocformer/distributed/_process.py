@@ -246,6 +246,14 @@ def initialize(
             ) from None
         return True
     address, count, pid = settings
+    if pid == 0 and (taken := _port_taken(address)):
+        # Checked first: JAX's coordination service, failing to bind, may end the
+        # process in a segmentation fault, or say only "Failed to start RPC server".
+        raise DistributedError(
+            f"process 0 of {count} hosts the coordinator at {address}, and its port is "
+            f"taken on this machine ({taken}); give every process another --coordinator "
+            "port"
+        )
     # JAX ends a process that waits in vain with a fatal error of its own (no
     # exception to catch): this line says beforehand what it waits for.
     print(
@@ -274,6 +282,20 @@ def initialize(
         ) from None
     _check_counts(count, pid, timeout)
     return True
+
+
+def _port_taken(address: str) -> str | None:
+    """Why the port of ``address`` (HOST:PORT) cannot be bound on this machine (the
+    error's text), or None if it can (or the address has no port number)."""
+    port = address.rpartition(":")[2]
+    if not port.isdigit():
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", int(port)))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def lost_peer(error: BaseException) -> bool:
