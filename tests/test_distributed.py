@@ -275,9 +275,16 @@ def test_a_process_started_by_hand_whose_peer_is_killed_exits_with_the_lost_peer
     procs = [
         subprocess.Popen(
             [*fault, "--", *_train_command(workdir)],
-            env={**env, "OCFORMER_COORDINATOR": address, "OCFORMER_NUM_PROCESSES": "2",
-                 "OCFORMER_PROCESS_ID": str(i)},
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={
+                **env,
+                "OCFORMER_COORDINATOR": address,
+                "OCFORMER_NUM_PROCESSES": "2",
+                "OCFORMER_PROCESS_ID": str(i),
+            },
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )  # fmt: skip
         for i in range(2)
     ]

@@ -173,7 +173,7 @@ def test_projected_dynamics_jump_onto_each_layer_s_set(post, stepper):
     u0 = study_input(model)
     u = u0
     for n in range(3):
-        layer = PiecewiseConstant(jax.tree.map(lambda x: x[n : n + 1], values))
+        layer = PiecewiseConstant(jax.tree.map(lambda x, n=n: x[n : n + 1], values))
         one = eqx.tree_at(lambda m: m.control, model, layer)
         u = rediscretise(one, stepper=stepper, steps_per_layer=4)(u)
     whole = rediscretise(model, stepper=stepper, steps_per_layer=4)(u0)
