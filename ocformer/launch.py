@@ -14,6 +14,7 @@ import shlex
 import sys
 
 from ._cli import exit_with, fail
+from .config import ConfigError, apply_overrides, load_experiment, validate
 from .distributed import (
     GRACE_S,
     LaunchError,
@@ -26,7 +27,30 @@ from .distributed import (
 _PROGRAM = "ocformer.launch"
 
 
+def _training_problem(train_args: list[str]) -> str | None:
+    """Why every task of the job would refuse ``train_args`` (exit 2 after waiting in
+    the queue), or None: the experiment file and its overrides are validated here, as
+    the training command does at its start."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config")
+    p.add_argument("--workdir")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    try:
+        known, _ = p.parse_known_args(train_args)
+    except SystemExit:  # an option without its value
+        return "the training arguments are not those of python -m ocformer.train"
+    if not known.config or not known.workdir:
+        return "the training arguments need --config FILE.py and --workdir DIR"
+    try:
+        validate(apply_overrides(load_experiment(known.config), known.overrides))
+    except ConfigError as e:
+        return f"the training arguments would be refused by every task: {e}"
+    return None
+
+
 def _slurm(args, train_args: list[str]) -> int:
+    if problem := _training_problem(train_args):
+        return fail(_PROGRAM, 2, problem)
     job = training_job(
         args.folder,
         nodes=args.nodes,

@@ -1018,9 +1018,22 @@ def test_launch_refuses_bad_invocations(capsys, monkeypatch):
     for grace in ("-5", "nan", "inf"):
         assert launch.main(["local", "--nproc", "2", "--grace", grace, "--", "x"]) == 2
         assert "--grace must be a finite number of seconds >= 0" in capsys.readouterr().err
+    # Training arguments every task would refuse are refused at submission, not after
+    # the job waited in the queue; a machine without SLURM's commands is named.
+    slurm = ["slurm", "--nodes", "2", "--gpus-per-node", "1"]
+    assert launch.main([*slurm, "--dry-run", "--", "x"]) == 2
+    assert "the training arguments need --config FILE.py and --workdir DIR" in (
+        capsys.readouterr().err
+    )
+    train = ["--config", SMOKE, "--workdir", "runs/x"]
+    assert launch.main([*slurm, "--dry-run", "--", *train, "--set", "train.stepz=3"]) == 2
+    assert (
+        "the training arguments would be refused by every task: train.stepz: unknown field"
+        in capsys.readouterr().err
+    )
     monkeypatch.setenv("PATH", "")
-    assert launch.main(["slurm", "--nodes", "2", "--gpus-per-node", "1", "--", "x"]) == 2
-    assert "sbatch not found" in capsys.readouterr().err
+    assert launch.main([*slurm, "--", *train]) == 2
+    assert "(sbatch and srun not found)" in capsys.readouterr().err
 
 
 def test_a_failed_count_check_names_the_store_s_error(monkeypatch):

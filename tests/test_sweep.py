@@ -1138,7 +1138,9 @@ def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache, m
     out = tmp_path / "out"
     which = shutil.which
     monkeypatch.setattr(
-        shutil, "which", lambda cmd, *a, **k: "/sbatch" if cmd == "sbatch" else which(cmd, *a, **k)
+        shutil,
+        "which",
+        lambda cmd, *a, **k: f"/{cmd}" if cmd in ("sbatch", "srun") else which(cmd, *a, **k),
     )
 
     def local_executor(job: SlurmJob) -> submitit.LocalExecutor:
@@ -1498,7 +1500,7 @@ def test_slurm_launch_without_slurm_is_refused_before_writing(tmp_path, capsys, 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     out = tmp_path / "out"
     assert sweep_main([SMOKE_SWEEP, "--workdir", str(out), "--launcher", "slurm"]) == 2
-    assert "no SLURM on this machine (sbatch not found)" in capsys.readouterr().err
+    assert "no SLURM on this machine (sbatch and srun not found)" in capsys.readouterr().err
     assert not out.exists()
 
 

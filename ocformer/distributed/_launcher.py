@@ -355,9 +355,10 @@ def submit_training(job: SlurmJob, train_args: Sequence[str]) -> submitit.Job:
     Raises:
         LaunchError: no SLURM on this machine.
     """
-    if shutil.which("sbatch") is None:
+    missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
+    if missing:  # submitit needs both (srun: its job script's command)
         raise LaunchError(
-            "no SLURM on this machine (sbatch not found); run from a SLURM login node, or "
-            "add --dry-run to see the job script"
+            f"no SLURM on this machine ({' and '.join(missing)} not found); run from a "
+            "SLURM login node, or add --dry-run to see the job script"
         )
     return job.executor().submit(TrainTask(train_args))

@@ -115,12 +115,14 @@ class PointJob:
 
 
 def require_slurm() -> None:
-    """Raises ``SweepError`` unless SLURM's ``sbatch`` is on the path."""
-    if shutil.which("sbatch") is None:
+    """Raises ``SweepError`` unless SLURM's ``sbatch`` and ``srun`` are on the path
+    (submitit needs both: ``srun`` is its job script's command)."""
+    missing = [c for c in ("sbatch", "srun") if shutil.which(c) is None]
+    if missing:
         raise SweepError(
             "--launcher slurm",
-            "no SLURM on this machine (sbatch not found); run from a SLURM login node, "
-            "or use --launcher local, or --dry-run to see the job script",
+            f"no SLURM on this machine ({' and '.join(missing)} not found); run from a "
+            "SLURM login node, or use --launcher local, or --dry-run to see the job script",
         )
 
 
