@@ -1156,6 +1156,69 @@ def test_slurm_array_through_submitits_local_executor(tmp_path, compile_cache, m
     assert glob.glob(str(out / "slurm" / "*"))  # submitit's files where SLURM's would go
 
 
+def test_points_submitted_to_slurm_are_not_submitted_again_while_queued(
+    tmp_path, monkeypatch, capsys
+):
+    """Submitted points whose array tasks have not started were reported "not started
+    (rerun the sweep to run)", and the rerun submitted them a second time. They are
+    recorded as submitted (the report says so), and a rerun refuses them while squeue
+    still lists their job; once it has left the queue they are submitted again."""
+    import shutil
+    import stat
+
+    from ocformer.distributed import SlurmJob
+
+    path = write_sweep(
+        tmp_path,
+        "two",
+        """
+        def get_sweep(arg=None):
+            return Sweep(
+                experiment=EXPERIMENT, overrides={"train.steps": 2},
+                axes=[axis("model.num_layers", [1, 2], name="layers")],
+            )
+        """,
+    )  # fmt: skip
+    out = tmp_path / "out"
+    which = shutil.which
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    squeue = bin_dir / "squeue"  # lists the job while the file "queued" exists
+    squeue.write_text(f"#!/bin/sh\n[ -e {tmp_path}/queued ] && echo 4242\nexit 0\n")
+    squeue.chmod(squeue.stat().st_mode | stat.S_IEXEC)
+    fake = {"sbatch": "/sbatch", "srun": "/srun", "squeue": str(squeue)}
+    monkeypatch.setattr(shutil, "which", lambda cmd, *a, **k: fake.get(cmd) or which(cmd, *a, **k))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+    class Job:
+        def __init__(self, i):
+            self.job_id = f"4242_{i}"
+
+    class Executor:  # submits nothing: the tasks stay "queued"
+        calls = 0
+
+        def map_array(self, fn, items):
+            Executor.calls += 1
+            return [Job(i) for i in range(len(items))]
+
+    monkeypatch.setattr(SlurmJob, "executor", lambda job: Executor())
+    assert sweep_main([path, "--workdir", str(out), "--launcher", "slurm"]) == 0
+    assert Executor.calls == 1
+    capsys.readouterr()
+    assert sweep_main(["report", str(out)]) == 0
+    said = capsys.readouterr()
+    assert "2 submitted (queued in SLURM, or lost: see squeue;" in said.out + said.err
+    assert {r["status"] for r in read_csv(out / "results.csv")} == {"submitted"}
+    (tmp_path / "queued").touch()
+    assert sweep_main([path, "--workdir", str(out), "--launcher", "slurm"]) == 2
+    err = capsys.readouterr().err
+    assert "2 of the points to run (layers=1" in err and "job 4242, which squeue still" in err
+    assert Executor.calls == 1
+    (tmp_path / "queued").unlink()  # the job has left the queue (its tasks were lost)
+    assert sweep_main([path, "--workdir", str(out), "--launcher", "slurm"]) == 0
+    assert Executor.calls == 2
+
+
 @pytest.mark.parametrize("handler", ["on the waiting thread", "on another thread"])
 def test_point_job_requeues_itself_with_the_same_point(tmp_path, handler):
     """On SLURM's timeout or preemption signal submitit calls ``checkpoint``: the

@@ -14,9 +14,9 @@ from typing import Any
 from ..checkpointing import atomic_write_text
 from ..training import DirectoryLock, WorkdirError, git_revision, package_versions
 from ._points import Point, check_buildable, resolve_points
-from ._results import SWEEP_FILE, report
+from ._results import SWEEP_FILE, report, submitted_jobs
 from ._run import is_finished, point_dir, read_status, run_local
-from ._slurm import executor_for, job_script, require_slurm, slurm_options, submit
+from ._slurm import executor_for, job_script, queued, require_slurm, slurm_options, submit
 from ._spec import SEED_FIELD, Sweep, SweepError, load_sweep
 
 _SWEEP_FILE = SWEEP_FILE
@@ -258,6 +258,18 @@ def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel
             print(f"sweep: all {len(todo)} selected points finished; nothing to submit")
             report(workdir)
             return 0
+        submitted = submitted_jobs(workdir)
+        again = {submitted[p["name"]] for p in pending if p["name"] in submitted}
+        if still := queued(sorted(again)):
+            names = [p["name"] for p in pending if submitted.get(p["name"]) in still]
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise SweepError(
+                "--launcher slurm",
+                f"{len(names)} of the points to run ({shown}) were submitted as SLURM job "
+                f"{', '.join(sorted(still))}, which squeue still lists (queued or running): "
+                "submitting them again would run them twice. Rerun once the job has left "
+                "the queue, or cancel it first (scancel)",
+            )
         jobs = submit(workdir, pending, executor)
         print(
             f"sweep: submitted {len(jobs)} array tasks (job {jobs[0].job_id.split('_')[0]}); "

@@ -125,11 +125,30 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+# The points submitted to SLURM and their array job: DIR/slurm/submitted.json, a map from
+# a point's name to the job id of its newest submission.
+SUBMITTED_FILE = os.path.join("slurm", "submitted.json")
+
+
+def submitted_jobs(sweep_dir: str) -> dict[str, str]:
+    """The SLURM array job each submitted point was last submitted in (by name)."""
+    return _read_json(os.path.join(sweep_dir, SUBMITTED_FILE))
+
+
+def record_submission(sweep_dir: str, job_id: str, names: Sequence[str]) -> None:
+    """Note that ``names`` were submitted as the array job ``job_id``."""
+    jobs = {**submitted_jobs(sweep_dir), **dict.fromkeys(names, job_id)}
+    path = os.path.join(sweep_dir, SUBMITTED_FILE)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic_write_text(path, json.dumps(jobs, indent=2) + "\n")
+
+
 def point_state(sweep_dir: str, point: dict) -> tuple[str, str | None]:
     """Where a point of ``sweep.json`` stands, read from its directory: ``finished``,
-    ``failed``, ``interrupted``, ``running``, ``evaluations pending`` or ``not
-    started``, and for a point whose record says ``running`` but whose processes are
-    gone, why it counts as interrupted.
+    ``failed``, ``interrupted``, ``running``, ``evaluations pending``, ``submitted`` (to
+    SLURM, its task not started yet) or ``not started``; for a point whose record says
+    ``running`` but whose processes are gone, why it counts as interrupted, and for a
+    submitted one, its job.
 
     A ``running`` record names the host and the pids of the process running the point
     and of its training process; they are looked up only on that host (a record from
@@ -139,6 +158,9 @@ def point_state(sweep_dir: str, point: dict) -> tuple[str, str | None]:
     status = read_status(path)
     state = status.get("status")
     if not status:
+        job = submitted_jobs(sweep_dir).get(point["name"])
+        if job is not None:  # its array task has not started (queued), or was lost
+            return "submitted", f"SLURM job {job}"
         return "not started", None
     if state == "running":
         host = status.get("host")
@@ -165,6 +187,7 @@ _HOW = {
     "running": "running, or killed on another host",
     "failed": "rerun the sweep to retry",
     "evaluations pending": "rerun the sweep to evaluate",
+    "submitted": "queued in SLURM, or lost: see squeue; rerun once its job has left the queue",
     "not started": "rerun the sweep to run",
 }
 
@@ -230,7 +253,9 @@ def rows(sweep_dir: str, info: dict) -> list[dict]:
             "error": status.get("error"),
         }
         state, why = point_state(sweep_dir, p)
-        if why is not None:  # recorded as running by a process that is gone
+        if state == "submitted":  # its SLURM array task has not started
+            row.update(status=state)
+        elif why is not None:  # recorded as running by a process that is gone
             row.update(status=state, error=why)
         for key in ("wall_time_s", "compile_time_s", "cache_hits", "peak_rss_mb"):
             row[key] = status.get(key)

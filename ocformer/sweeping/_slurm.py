@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import subprocess
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..distributed import SlurmJob, slurm_job
+from ._results import record_submission
 from ._run import run_point, stop_children
 from ._spec import SweepError
 
@@ -138,8 +140,28 @@ def executor_for(sweep_dir: str, options: SlurmOptions):
 
 def submit(sweep_dir: str, points: Sequence[dict], executor) -> list:
     """Submit ``points`` as one job array of ``executor`` (SLURM, or submitit's local
-    executor in tests); returns the jobs."""
-    return executor.map_array(PointJob(sweep_dir), list(points))
+    executor in tests), noted in ``DIR/slurm/submitted.json``; returns the jobs."""
+    jobs = executor.map_array(PointJob(sweep_dir), list(points))
+    if jobs:
+        record_submission(sweep_dir, jobs[0].job_id.split("_")[0], [p["name"] for p in points])
+    return jobs
+
+
+def queued(job_ids: Sequence[str]) -> set[str] | None:
+    """Those of the array jobs ``job_ids`` that SLURM still holds (queued or running),
+    by ``squeue``; None where that cannot be told (no ``squeue``, or it failed)."""
+    if not job_ids or shutil.which("squeue") is None:
+        return None
+    try:
+        done = subprocess.run(
+            ["squeue", "--noheader", "--format=%F", f"--jobs={','.join(sorted(job_ids))}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:  # an id SLURM no longer knows is an error to some versions
+        return set() if "Invalid job id" in done.stderr else None
+    return {line.strip() for line in done.stdout.splitlines() if line.strip()} & set(job_ids)
 
 
 def job_script(sweep_dir: str, num_points: int, options: SlurmOptions) -> str:
