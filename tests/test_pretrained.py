@@ -533,6 +533,9 @@ def test_to_pretrained_overwrite_replaces_the_whole_directory(saved, inputs, tmp
 def test_to_pretrained_reexports_into_its_own_directory(saved, inputs, tmp_path):
     target = tmp_path / "out"
     to_pretrained(from_pretrained(saved["gpt2"][0]), target)
+    # Every file has the user's umask (safetensors made its weights 0600).
+    modes = {p.name: p.stat().st_mode & 0o777 for p in target.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
     path, hf = saved["bert"]
     to_pretrained(from_pretrained(path), target)  # an export of ocformer's: replaced whole
     _assert_holds_only_the_export(target, hf, inputs)

@@ -339,6 +339,11 @@ def write_directory(
         with open(os.path.join(staging, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         save_file(tensors, os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
+        # safetensors creates its file readable by its owner alone (0600); the others
+        # have the user's umask, as a file written with open() does.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(os.path.join(staging, WEIGHTS_FILE), 0o666 & ~umask)
         for name, source in files.items():
             shutil.copyfile(source, os.path.join(staging, name))
         marker = {
