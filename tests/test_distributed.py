@@ -1026,6 +1026,8 @@ def test_launch_refuses_bad_invocations(capsys, monkeypatch):
         capsys.readouterr().err
     )
     train = ["--config", SMOKE, "--workdir", "runs/x"]
+    assert launch.main([*slurm, "--partition=", "--dry-run", "--", *train]) == 2
+    assert "--partition must name a partition" in capsys.readouterr().err  # was --partition=''
     assert launch.main([*slurm, "--dry-run", "--", *train, "--set", "train.stepz=3"]) == 2
     assert (
         "the training arguments would be refused by every task: train.stepz: unknown field"

@@ -458,6 +458,11 @@ def test_slurm_options_are_checked():
         with pytest.raises(SweepError, match=rf"^slurm.{key}: expected an integer >= 1, got 0$"):
             slurm_options({key: 0}, {})
     assert slurm_options({}, {"gpus": 0}).gpus == 0
+    # An empty partition was written as "#SBATCH --partition=''".
+    with pytest.raises(SweepError, match=r"^--partition: expected a partition's name"):
+        slurm_options({}, {"partition": ""})
+    with pytest.raises(SweepError, match=r"^slurm.partition: expected a partition's name"):
+        slurm_options({"partition": 3}, {})
     with pytest.raises(SweepError, match=r"^--gpus: expected an integer >= 0, got -1$"):
         slurm_options({}, {"gpus": -1})
 

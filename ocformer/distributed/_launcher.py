@@ -326,7 +326,7 @@ def training_job(
     submitit's files under ``logs``.
 
     Raises:
-        LaunchError: a count or limit below 1.
+        LaunchError: a count or limit below 1, or an empty partition.
     """
     counts = {
         "nodes": nodes,
@@ -337,6 +337,11 @@ def training_job(
     for flag, value in counts.items():
         if value < 1:
             raise LaunchError(f"--{flag} must be >= 1, got {value}")
+    if partition is not None and not partition.strip():
+        raise LaunchError(
+            "--partition must name a partition (leave it out for the cluster's default), "
+            f"got {partition!r}"
+        )
     return slurm_job(
         logs,
         name=name,

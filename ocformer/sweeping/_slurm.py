@@ -87,8 +87,11 @@ def slurm_options(defaults: Mapping[str, Any], flags: Mapping[str, Any]) -> Slur
         # Named as it was given: a flag (--time-min) or the sweep file's slurm option.
         where = f"--{key.replace('_', '-')}" if flags.get(key) is not None else f"slurm.{key}"
         if key == "partition":
-            if value is not None and not isinstance(value, str):
-                raise SweepError(where, f"expected a string, got {value!r}")
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise SweepError(
+                    where,
+                    f"expected a partition's name (leave it out for the default), got {value!r}",
+                )
             continue
         least = 0 if key == "gpus" else 1  # a task of no node, CPU or minute cannot run
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
