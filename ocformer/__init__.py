@@ -8,6 +8,7 @@ keeps the equation (``ContinuousTransformer``) apart from its numerics
 """
 
 import importlib as _importlib
+import pkgutil as _pkgutil
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError, version as _version
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
@@ -36,6 +37,7 @@ _EXPORTS = {
 }
 
 if _TYPE_CHECKING:
+    from . import train as train
     from .config import Config as Config
     from .convert import from_layers as from_layers, to_layers as to_layers
     from .integration import (
@@ -56,6 +58,29 @@ if _TYPE_CHECKING:
     from .splitting import Hybrid as Hybrid, Lie as Lie, Parallel as Parallel, Strang as Strang
 
 
+__all__ = [
+    "Config",
+    "from_layers",
+    "to_layers",
+    "Direct",
+    "Discretisation",
+    "DiscretiseThenOptimise",
+    "OptimiseThenDiscretise",
+    "StoredDots",
+    "StoredProjections",
+    "StoredResiduals",
+    "ContinuousTransformer",
+    "SequenceModel",
+    "rediscretise",
+    "refine",
+    "Hybrid",
+    "Lie",
+    "Parallel",
+    "Strang",
+    "train",
+]
+
+
 def __getattr__(name: str):
     # `ocformer.train` is the command-line module, callable as the library's train
     # function. It is imported on first use rather than here, so that
@@ -66,11 +91,17 @@ def __getattr__(name: str):
         value = getattr(_importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value  # the next look-up finds it without this function
         return value
+    if not name.startswith("_") and name in _submodules():  # `ocformer.models`, ...
+        return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'ocformer' has no attribute {name!r}")
 
 
+def _submodules() -> set[str]:
+    return {m.name for m in _pkgutil.iter_modules(__path__)}
+
+
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS, "train"})
+    return sorted({*globals(), *__all__, *(m for m in _submodules() if not m.startswith("_"))})
 
 
 try:

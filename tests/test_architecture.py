@@ -280,6 +280,15 @@ def test_public_face():
         assert hasattr(ocformer, name), name
     assert isinstance(ocformer.Strang(), diffrax.AbstractSolver)
     assert ocformer.__version__ != "0+unknown"
+    # The names load on first use (import ocformer imports no JAX), yet read as before:
+    # a star import, and the subpackages as attributes.
+    star: dict = {}
+    exec("from ocformer import *", star)
+    assert {"Discretisation", "from_layers", "Config", "train"} <= set(star)
+    assert ocformer.models.refine is ocformer.refine
+    code = "import sys, ocformer; print('jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
     from ocformer import train
 
     assert callable(train)

@@ -297,6 +297,10 @@ def test_steps_per_layer_is_refused_alike_by_the_discretisation_and_the_grid(ste
         Discretisation(steps_per_layer=10**9)
     with pytest.raises(ValueError, match=r"at most 1048576"):
         time_grid(control, 2**20 + 1, jnp.float32)
+    # And over all layers at most 2^24 steps (the grid, and 512 times that for PID).
+    deep = PiecewiseConstant(init_stacked_params(jax.random.key(0), 32, 4, 8))
+    with pytest.raises(ValueError, match=r"^32 layers x steps_per_layer=1048576 is 33554432"):
+        time_grid(deep, 2**20, jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------

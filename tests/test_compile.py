@@ -71,7 +71,7 @@ def test_a_run_resumed_inside_the_profile_window_traces_what_is_left(tmp_path, c
     # A run that stops inside the window (preempted) keeps the trace of its steps.
     from ocformer.training._loop import _Profile
 
-    profile = _Profile("1:3", str(tmp_path / "stopped"), True, 0)
+    profile = _Profile("1:3", str(tmp_path / "stopped"), True, 0, 4)
     profile.before(2)
     profile.after(2, None)
     profile.stop()
@@ -125,6 +125,9 @@ def test_compile_cache_directory_and_switch(monkeypatch, tmp_path):
         monkeypatch.setenv(COMPILE_CACHE_ENV, "off")
         assert enable_compile_cache() is None
         assert jax.config.jax_enable_compilation_cache is False  # pyright: ignore
+        # Off for JAX is off: a later call does not report a directory it will not use.
+        monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path / "later"))
+        assert enable_compile_cache() is None
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
         jax.config.update("jax_compilation_cache_dir", previous)

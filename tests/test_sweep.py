@@ -1218,10 +1218,18 @@ def test_points_submitted_to_slurm_are_not_submitted_again_while_queued(
     assert sweep_main([path, "--workdir", str(out), "--launcher", "slurm"]) == 2
     err = capsys.readouterr().err
     assert "2 of the points to run (layers=1" in err and "job 4242, which squeue still" in err
+    assert sweep_main([path, "--workdir", str(out)]) == 2  # nor run here meanwhile
+    assert "--launcher local: 2 of the points to run" in capsys.readouterr().err
     assert Executor.calls == 1
     (tmp_path / "queued").unlink()  # the job has left the queue (its tasks were lost)
     assert sweep_main([path, "--workdir", str(out), "--launcher", "slurm"]) == 0
     assert Executor.calls == 2
+    # Where squeue cannot tell, the points are submitted again with a warning.
+    del fake["squeue"]
+    monkeypatch.setenv("PATH", os.environ["PATH"].split(":", 1)[1])
+    assert sweep_main([path, "--workdir", str(out), "--launcher", "slurm"]) == 0
+    assert "squeue could not tell whether SLURM job 4242 still holds" in capsys.readouterr().err
+    assert Executor.calls == 3
 
 
 @pytest.mark.parametrize("handler", ["on the waiting thread", "on another thread"])

@@ -291,6 +291,9 @@ def _port_taken(address: str) -> str | None:
     if not port.isdigit():
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As JAX's server binds: a port whose last connections linger in TIME_WAIT (a
+        # run that just ended) is free to it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", int(port)))
         except OSError as e:

@@ -106,21 +106,22 @@ def check_evaluation_field(key: str) -> None:
 def _for_evaluation(error: ConfigError) -> ConfigError:
     """``error`` with a word on the remedies it names that an evaluation cannot take
     (a field of the trained run, such as ``model.precision``), if it names any."""
-    message = str(error)
+    message = str(error).removeprefix(f"{error.field}: ").rstrip(".")
+    fields = {f"{s}.{k}" for s, section in to_dict(Config()).items() for k in section}
     named = {
-        field
-        for field in re.findall(r"\b(?:model|controls|optimiser|train|task|mesh)\.\w+", message)
-        if field not in VALIDATION_SET_FIELDS and field != MOVED_FIELD
+        f
+        for f in re.findall(r"\b[a-z_]+\.[a-z_0-9]+\b", message)
+        if f in fields
+        and f.split(".")[0] not in DISCRETISATION_SECTIONS
+        and f not in (*VALIDATION_SET_FIELDS, *FOLLOWING_FIELDS, MOVED_FIELD)
     }
     if not named:
         return error
-    fixed = ", ".join(sorted(named))
     verb = "belongs" if len(named) == 1 else "belong"
     return ConfigError(
         error.field,
-        f"{message.removeprefix(f'{error.field}: ')}. ({fixed} {verb} to the trained run, "
-        "which an evaluation does not change: of these remedies, take one in the "
-        "discretisation.)",
+        f"{message}. ({', '.join(sorted(named))} {verb} to the trained run, which an "
+        "evaluation does not change: of these remedies, take one in the discretisation.)",
     )
 
 

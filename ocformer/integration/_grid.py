@@ -51,11 +51,33 @@ def check_steps_per_layer(steps_per_layer) -> int:
     return m
 
 
+# The most steps a solve takes over all its layers (layers x steps per layer): the grid's
+# times are built whole on the host, and an adaptive solve's max_steps is 512 times this.
+MAX_SOLVE_STEPS = 2**24
+
+
+def check_solve_steps(control: AbstractControl, steps_per_layer: int) -> int:
+    """``steps_per_layer``, checked (``check_steps_per_layer``) and with the solve's
+    steps over all of ``control``'s layers at most ``MAX_SOLVE_STEPS``.
+
+    Raises:
+        ValueError: naming the layers, the steps per layer and their product.
+    """
+    m = check_steps_per_layer(steps_per_layer)
+    if control.num_layers * m > MAX_SOLVE_STEPS:
+        raise ValueError(
+            f"{control.num_layers} layers x steps_per_layer={m} is "
+            f"{control.num_layers * m} steps, more than a solve takes "
+            f"({MAX_SOLVE_STEPS} = 2^24): lower steps_per_layer."
+        )
+    return m
+
+
 def time_grid(control: AbstractControl, steps_per_layer: int, dtype):
     """The step grid: ``steps_per_layer`` equal steps per piece of the layer grid, in
     ``time_dtype(dtype)`` for a state of ``dtype`` (at least float32), its points on the
     control's jumps exactly those jumps' times in that dtype (``grid_points``)."""
-    steps_per_layer = check_steps_per_layer(steps_per_layer)
+    steps_per_layer = check_solve_steps(control, steps_per_layer)
     times = grid_points(control, steps_per_layer)
     return jnp.asarray(times, time_dtype(dtype)), len(times) - 1
 
@@ -290,8 +312,10 @@ solver."""
 
 
 def adaptive_max_steps(control: AbstractControl, steps_per_layer: int = 1) -> int:
-    """``max_steps`` for an adaptive controller, derived from the layer grid."""
-    return ADAPTIVE_STEPS_PER_LAYER * control.num_layers * steps_per_layer
+    """``max_steps`` for an adaptive controller, derived from the layer grid (a count
+    diffrax keeps in int32: at most 2^31 - 1)."""
+    steps = check_solve_steps(control, steps_per_layer)
+    return min(ADAPTIVE_STEPS_PER_LAYER * control.num_layers * steps, 2**31 - 1)
 
 
 def adaptive_controller(

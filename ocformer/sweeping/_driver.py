@@ -14,7 +14,7 @@ from typing import Any
 from ..checkpointing import atomic_write_text
 from ..training import DirectoryLock, WorkdirError, git_revision, package_versions
 from ._points import Point, check_buildable, resolve_points
-from ._results import SWEEP_FILE, report, submitted_jobs
+from ._results import SWEEP_FILE, forget_submission, report, submitted_jobs
 from ._run import is_finished, point_dir, read_status, run_local
 from ._slurm import executor_for, job_script, queued, require_slurm, slurm_options, submit
 from ._spec import SEED_FIELD, Sweep, SweepError, load_sweep
@@ -251,6 +251,41 @@ def run_sweep(
         return _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel)
 
 
+def _check_not_queued(workdir: str, pending: Sequence[dict], launcher: str) -> None:
+    """Refuse to run again points an earlier ``--launcher slurm`` submitted whose job
+    ``squeue`` still lists (they would run twice); where squeue cannot tell, say so.
+
+    Raises:
+        SweepError: naming the points and the job.
+    """
+    submitted = submitted_jobs(workdir)
+    jobs = {p["name"]: submitted[p["name"]] for p in pending if p["name"] in submitted}
+    if not jobs:
+        return
+    still = queued(sorted(set(jobs.values())))
+
+    def listed(names: list[str]) -> str:
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return ", ".join(names[:5]) + more
+
+    if still:
+        names = [n for n, job in jobs.items() if job in still]
+        raise SweepError(
+            f"--launcher {launcher}",
+            f"{len(names)} of the points to run ({listed(names)}) were submitted as SLURM "
+            f"job {', '.join(sorted(still))}, which squeue still lists (queued or running): "
+            "running them again would run them twice. Rerun once the job has left the "
+            "queue, or cancel it first (scancel)",
+        )
+    if still is None:
+        print(
+            f"sweep: warning: squeue could not tell whether SLURM job "
+            f"{', '.join(sorted(set(jobs.values())))} still holds {listed(list(jobs))}; they "
+            "are run again (if the job is still queued, they run twice: scancel it first)",
+            file=sys.stderr,
+        )
+
+
 def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel) -> int:
     """Run (or submit) the points of a locked sweep directory and report."""
     if launcher == "slurm":
@@ -258,18 +293,7 @@ def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel
             print(f"sweep: all {len(todo)} selected points finished; nothing to submit")
             report(workdir)
             return 0
-        submitted = submitted_jobs(workdir)
-        again = {submitted[p["name"]] for p in pending if p["name"] in submitted}
-        if still := queued(sorted(again)):
-            names = [p["name"] for p in pending if submitted.get(p["name"]) in still]
-            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-            raise SweepError(
-                "--launcher slurm",
-                f"{len(names)} of the points to run ({shown}) were submitted as SLURM job "
-                f"{', '.join(sorted(still))}, which squeue still lists (queued or running): "
-                "submitting them again would run them twice. Rerun once the job has left "
-                "the queue, or cancel it first (scancel)",
-            )
+        _check_not_queued(workdir, pending, launcher)
         jobs = submit(workdir, pending, executor)
         print(
             f"sweep: submitted {len(jobs)} array tasks (job {jobs[0].job_id.split('_')[0]}); "
@@ -280,6 +304,8 @@ def _run_points(workdir, info, todo, pending, launcher, executor, wait, parallel
         for job in jobs:
             job.result()
     else:
+        _check_not_queued(workdir, pending, launcher)
+        forget_submission(workdir, [p["name"] for p in pending])  # run here, not by SLURM
         run_local(workdir, todo, parallel=parallel)
     result = report(workdir)
     print(

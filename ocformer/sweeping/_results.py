@@ -143,6 +143,15 @@ def record_submission(sweep_dir: str, job_id: str, names: Sequence[str]) -> None
     atomic_write_text(path, json.dumps(jobs, indent=2) + "\n")
 
 
+def forget_submission(sweep_dir: str, names: Sequence[str]) -> None:
+    """Drop ``names`` from the submissions (they are run by the local launcher)."""
+    jobs = submitted_jobs(sweep_dir)
+    if any(n in jobs for n in names):
+        kept = {n: job for n, job in jobs.items() if n not in names}
+        path = os.path.join(sweep_dir, SUBMITTED_FILE)
+        atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
+
+
 def point_state(sweep_dir: str, point: dict) -> tuple[str, str | None]:
     """Where a point of ``sweep.json`` stands, read from its directory: ``finished``,
     ``failed``, ``interrupted``, ``running``, ``evaluations pending``, ``submitted`` (to

@@ -252,10 +252,10 @@ class _Profile:
     results exist. A run resumed inside the window traces what is left of it; one that
     stops inside it keeps the trace of the steps it ran; both are said on stdout."""
 
-    def __init__(self, text: str | None, directory: str, active: bool, start: int):
+    def __init__(self, text: str | None, directory: str, active: bool, start: int, end: int):
         self.span = None if text is None or not active else tuple(map(int, text.split(":")))
         self.directory, self.running, self.first, self.last = directory, False, None, None
-        if self.span is not None and start >= self.span[1]:
+        if self.span is not None and self.span[1] <= start < end:  # steps left, none traced
             print(
                 f"ocformer: train.profile_steps={text}: the run resumes after step "
                 f"{start}, past the window, so nothing is traced",
@@ -623,7 +623,11 @@ class _Loop:
         self.last: dict = {}  # the newest fetched record
         self.pending = _Pending()
         self.profile = _Profile(
-            self.tc.profile_steps, os.path.join(run.path, "profile"), is_primary(), step
+            self.tc.profile_steps,
+            os.path.join(run.path, "profile"),
+            is_primary(),
+            step,
+            self.tc.steps,
         )
         self.several = layout.processes > 1
         self.timings = _Timings()
@@ -663,12 +667,13 @@ class _Loop:
         self.seconds = time.perf_counter() - self.started
 
     def _resume_point(self) -> str:
-        """Where a rerun of the run resumes: its newest committed checkpoint."""
-        checkpoints = self.directory.checkpoints
-        latest = None if checkpoints is None else checkpoints.latest()
-        if checkpoints is None or latest is None:
+        """Where a rerun of the run resumes: its newest committed checkpoint, as the run
+        knows it (no file system access: the grace period may be running out on a
+        stalled one)."""
+        checkpoint = self.directory.checkpoint
+        if checkpoint is None:
             return "No checkpoint was committed yet: a rerun starts from step 0."
-        return f"The newest committed checkpoint, {checkpoints.path(latest)}, is the resume point."
+        return f"The newest committed checkpoint, {checkpoint}, is the resume point."
 
     def wait_fraction(self) -> float:
         """The share of the loop's wall time spent waiting for a batch."""

@@ -146,7 +146,7 @@ class PreemptionGuard:
     def _expire(self):
         where = "The previous checkpoint is the resume point."
         if self.resume_point is not None:
-            with contextlib.suppress(Exception):  # the exit must not wait on it
+            with contextlib.suppress(Exception):  # (it reads no file)
                 where = self.resume_point()
         sys.stderr.write(
             f"\nocformer: SIGTERM grace period of {self.grace_s}s expired before a "

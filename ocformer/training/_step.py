@@ -66,6 +66,8 @@ def enable_compile_cache() -> str | None:
         # Off, even where JAX was given a directory of its own (JAX_COMPILATION_CACHE_DIR).
         jax.config.update("jax_enable_compilation_cache", False)
         return None
+    if not jax.config.jax_enable_compilation_cache:  # pyright: ignore[reportAttributeAccessIssue]
+        return None  # off for JAX itself (JAX_ENABLE_COMPILATION_CACHE, or turned off here)
     existing = getattr(jax.config, "jax_compilation_cache_dir", None)
     if existing:
         return existing
