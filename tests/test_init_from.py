@@ -652,6 +652,25 @@ def test_a_float32_run_from_a_float64_run_is_rebuilt_without_being_told(experime
         assert done.returncode == 0 and said in done.stdout, done.stderr[-2000:]
 
 
+def test_a_start_from_an_unfinished_run_is_warned_of(experiment, gpt2, tmp_path, capsys):
+    """A fine-tune of a run that had not reached its train.steps (still training, or
+    stopped) started from its newest checkpoint without a word; it says so, and a start
+    at an explicit step (PATH@STEP) is taken as asked."""
+    import shutil
+
+    source = tmp_path / "source"
+    _train(experiment, source, f"model.init_from={gpt2[0]}", "train.checkpoint_every=1")
+    shutil.rmtree(source / "checkpoints" / "step_2")  # as if stopped after step 1 of 2
+    capsys.readouterr()
+    _train(experiment, tmp_path / "from_newest", f"model.init_from={source}", "train.steps=1")
+    assert (
+        f"model.init_from={source}: the run there is at step 1 of its 2 (still training, "
+        "or stopped before its end); starting from step 1" in capsys.readouterr().err
+    )
+    _train(experiment, tmp_path / "from_step", f"model.init_from={source}@1", "train.steps=1")
+    assert "the run there is at step" not in capsys.readouterr().err
+
+
 def test_a_corpus_of_another_tokenizer_than_the_starts_is_warned_of(
     experiment, gpt2, tmp_path, capsys
 ):

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import sys
 from typing import Any, cast
 
 import equinox as eqx
@@ -255,7 +256,7 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
         files, step = _init_from.checkpoint_files(source), None
     else:
         try:
-            _, model, step, checkpoint = restore_run(source.path, source.step)
+            recorded, model, step, checkpoint = restore_run(source.path, source.step)
         except WorkdirError as e:
             raise ConfigError("model.init_from", str(e)) from None
         except ConfigError as e:  # the source's configuration, not this run's
@@ -278,6 +279,17 @@ def start_model(config: Config, task, *, record: bool = True) -> tuple[SequenceM
         files = [
             os.path.join(root, name) for root, _, names in os.walk(checkpoint) for name in names
         ]
+        unfinished = source.step is None and step < recorded.train.steps
+        if record and unfinished and jax.process_index() == 0:
+            # The newest checkpoint of a run that is not done (still training, or stopped).
+            print(
+                f"ocformer: warning: model.init_from={spec}: the run there is at step {step} "
+                f"of its {recorded.train.steps} (still training, or stopped before its end); "
+                f"starting from step {step}. Give {source.path}@{step} to start from that "
+                "step knowingly, or let the run finish first",
+                file=sys.stderr,
+                flush=True,
+            )
     _init_from.check_architecture(config, source, _init_from.architecture(model))
     _init_from.check_task(config, task, model, source)
     model = _init_from.adapt(model, config, build_discretisation(config))
