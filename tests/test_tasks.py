@@ -130,6 +130,35 @@ def test_digits():
         Digits(patch_size=3)
 
 
+def test_the_digits_validation_set_is_the_held_out_images_each_once(capsys):
+    """3 batches of 99 are the 297 held-out images, each once (independent random
+    batches covered 205 of them, some three times); more cycle through them again, and
+    the training command warns of it."""
+    from ocformer.config import resolve
+    from ocformer.training._loop import _warn_of_repeated_windows
+
+    task = Digits(patch_size=2)
+    held, labels = task.splits["validation"]
+    batches = task.eval_batches(99, 3, seed=0)
+    taken = np.concatenate([b["inputs"] for b in batches])
+    assert sorted(x.tobytes() for x in taken) == sorted(x.tobytes() for x in held)
+    assert np.array_equal(
+        np.sort(np.concatenate([b["targets"] for b in batches])), np.sort(labels)
+    )
+    again = task.eval_batches(99, 3, seed=0)
+    assert all(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(again, batches))
+    four = task.eval_batches(99, 4, seed=0)
+    assert np.array_equal(four[3]["inputs"], batches[0]["inputs"])  # the order again
+    vit = str(pathlib.Path(__file__).resolve().parents[1] / "experiments" / "digits_vit.py")
+    config = resolve(vit, ["task.eval_batches=4"])
+    _warn_of_repeated_windows(config, task)
+    assert "takes 396 images of the 297 held out: 99 of them count twice" in (
+        capsys.readouterr().err
+    )
+    _warn_of_repeated_windows(resolve(vit, []), task)
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("cls", [CopyTask, SortTask])
 def test_symbol_tasks(cls):
     task = cls(10, 7)

@@ -31,7 +31,8 @@ class Digits(AbstractTask):
 
     ``load_digits`` ships with scikit-learn, so the task needs no download. The images
     are shuffled once with a fixed seed; the last 297 are the validation split. A batch
-    draws ``batch_size`` distinct images of its split.
+    draws ``batch_size`` distinct images of its split; the validation set
+    (``eval_batches``) takes the held-out images in turn, each once.
 
     Args:
         patch_size: side of the square patches; must divide 8. The transformer sees
@@ -75,3 +76,21 @@ class Digits(AbstractTask):
         pick = batch_rng(split, index, seed).choice(len(labels), size=batch_size, replace=False)
         pick = pick[rows]
         return {"inputs": images[pick], "targets": labels[pick]}
+
+    def eval_batches(self, batch_size: int, num_batches: int, seed: int = 0) -> list[dict]:
+        """The held-out images themselves: in an order fixed by ``seed``, batch after
+        batch, each image once until all 297 are taken (3 batches of 99 are the split
+        exactly); past 297 the order starts again, and the training command warns that
+        images repeat. (Independent random batches covered 205 of the 297, some three
+        times.)"""
+        if (whole_number(num_batches) or 0) < 1:
+            raise ValueError(f"num_batches must be an integer >= 1, got {num_batches!r}.")
+        check_batch_args(0, batch_size, seed)
+        images, labels = self.splits["validation"]
+        if batch_size > len(labels):
+            raise ValueError(
+                f"batch_size={batch_size} exceeds the {len(labels)} images of the validation split."
+            )
+        order = batch_rng("validation", 0, seed).permutation(len(labels))
+        picks = np.resize(order, (num_batches, batch_size))  # cycles through the order
+        return [{"inputs": images[p], "targets": labels[p]} for p in picks]

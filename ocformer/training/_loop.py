@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 from ..config import Config, from_dict, unread_fields, validate
 from ..distributed import Layout, is_primary
 from ..objective import MixedPrecision
-from ..tasks import AbstractTask, AbstractTextTask, Tokens
+from ..tasks import AbstractTask, AbstractTextTask, Digits, Tokens
 from ._build import Experiment, build, build_from_own_checkpoint
 from ._depth_fallback import DepthFallback, carry_state
 from ._errors import NonFiniteError, Preempted, SolverFailure
@@ -519,11 +519,22 @@ def _build_for(run: RunDirectory, config: Config, layout: Layout) -> Experiment:
 
 
 def _warn_of_repeated_windows(config: Config, task) -> None:
-    """A validation set of more windows than the validation split holds repeats some
-    (its windows are drawn with replacement): said, with what to change."""
+    """A validation set of more windows (images) than the validation split holds
+    repeats some: said, with what to change."""
+    t = config.task
+    if isinstance(task, Digits):
+        drawn, held = t.eval_batches * t.eval_batch_size, len(task.splits["validation"][1])
+        if drawn > held:
+            print(
+                f"ocformer: warning: the validation set takes {drawn} images of the {held} "
+                f"held out: {drawn - held} of them count twice or more. Set task.eval_batches "
+                f"x task.eval_batch_size to {held} (3 x 99) for each image once",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
     if not isinstance(task, Tokens):
         return
-    t = config.task
     drawn, held = t.eval_batches * t.eval_batch_size, task.windows("validation")
     if drawn > held:
         print(
