@@ -5,9 +5,9 @@ Command:
 
 2x2 patches (16 tokens plus a class token), a pre-LN encoder of 4 layers x 64
 features with 4 heads, read out from the class token; Lie splitting, one step per
-layer. Expected: validation accuracy 0.976 (290 of the 297 held-out images, validation
-loss 0.075) after 1500 steps, measured at commit 3623e42 in 151 s of training on 2 CPU
-cores shared with other jobs.
+layer. Expected: validation accuracy 0.983 (292 of the 297 held-out images, each taken
+once; validation loss 0.0717) after 1500 steps, measured at commit dcb8663 in 24.2 s of
+training on 2 CPU cores (steps loaded from the compilation cache).
 """
 
 from ocformer.config import (
