@@ -142,9 +142,7 @@ def test_the_digits_validation_set_is_the_held_out_images_each_once(capsys):
     batches = task.eval_batches(99, 3, seed=0)
     taken = np.concatenate([b["inputs"] for b in batches])
     assert sorted(x.tobytes() for x in taken) == sorted(x.tobytes() for x in held)
-    assert np.array_equal(
-        np.sort(np.concatenate([b["targets"] for b in batches])), np.sort(labels)
-    )
+    assert np.array_equal(np.sort(np.concatenate([b["targets"] for b in batches])), np.sort(labels))
     again = task.eval_batches(99, 3, seed=0)
     assert all(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(again, batches))
     four = task.eval_batches(99, 4, seed=0)
