@@ -315,12 +315,20 @@ def test_bfloat16_with_an_implicit_solver_is_refused(sets, words):
 
 
 @pytest.mark.slow
-def test_command_line_bfloat16_run_keeps_float32_state_and_checkpoints(tmp_path, monkeypatch):
+def test_command_line_bfloat16_run_keeps_float32_state_and_checkpoints(
+    tmp_path, monkeypatch, request
+):
     """``--set model.precision=bfloat16`` runs the loss in bfloat16, and the
     checkpoint (parameters and optimiser state after bfloat16 steps) is float32."""
     seen = []
     real = _loop.with_precision
     monkeypatch.setattr(_loop, "with_precision", lambda o, c: seen.append(real(o, c)) or seen[-1])
+    # --no-compile-cache turns the cache off for this process: the environment variable
+    # it sets and JAX's switch are put back after the test (the sweeps' points of a later
+    # test in this worker inherit the environment).
+    monkeypatch.setenv("OCFORMER_COMPILE_CACHE", "")  # restored to what it was after
+    enabled = jax.config.jax_enable_compilation_cache  # pyright: ignore[reportAttributeAccessIssue]
+    request.addfinalizer(lambda: jax.config.update("jax_enable_compilation_cache", enabled))
     argv = ["--config", SMOKE, "--workdir", str(tmp_path), "--no-compile-cache"]
     for o in ("train.progress=false", "train.steps=2", "train.eval_every=2",
               "train.checkpoint_every=2", "optimiser.warmup_steps=0",

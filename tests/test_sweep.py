@@ -60,13 +60,15 @@ def compile_cache(tmp_path_factory):
     """One persistent compilation cache for every sweep of this module (what a user's
     cache would be), so repeated shapes are compiled once."""
     folder = str(tmp_path_factory.mktemp("jax_cache"))
-    old = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    old = {k: os.environ.get(k) for k in ("JAX_COMPILATION_CACHE_DIR", "OCFORMER_COMPILE_CACHE")}
     os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ.pop("OCFORMER_COMPILE_CACHE", None)  # off would turn that one off too
     yield folder
-    if old is None:
-        os.environ.pop("JAX_COMPILATION_CACHE_DIR")
-    else:
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 # -- points ------------------------------------------------------------------------
