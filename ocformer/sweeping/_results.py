@@ -135,21 +135,22 @@ def submitted_jobs(sweep_dir: str) -> dict[str, str]:
     return _read_json(os.path.join(sweep_dir, SUBMITTED_FILE))
 
 
-def record_submission(sweep_dir: str, job_id: str, names: Sequence[str]) -> None:
-    """Note that ``names`` were submitted as the array job ``job_id``."""
-    jobs = {**submitted_jobs(sweep_dir), **dict.fromkeys(names, job_id)}
+def _write_submissions(sweep_dir: str, jobs: dict[str, str]) -> None:
     path = os.path.join(sweep_dir, SUBMITTED_FILE)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic_write_text(path, json.dumps(jobs, indent=2) + "\n")
+
+
+def record_submission(sweep_dir: str, job_id: str, names: Sequence[str]) -> None:
+    """Note that ``names`` were submitted as the array job ``job_id``."""
+    _write_submissions(sweep_dir, {**submitted_jobs(sweep_dir), **dict.fromkeys(names, job_id)})
 
 
 def forget_submission(sweep_dir: str, names: Sequence[str]) -> None:
     """Drop ``names`` from the submissions (they are run by the local launcher)."""
     jobs = submitted_jobs(sweep_dir)
     if any(n in jobs for n in names):
-        kept = {n: job for n, job in jobs.items() if n not in names}
-        path = os.path.join(sweep_dir, SUBMITTED_FILE)
-        atomic_write_text(path, json.dumps(kept, indent=2) + "\n")
+        _write_submissions(sweep_dir, {n: job for n, job in jobs.items() if n not in names})
 
 
 def point_state(sweep_dir: str, point: dict) -> tuple[str, str | None]:
