@@ -9,9 +9,11 @@ processes: the parent a supervised child ends with, and whether a recorded proce
 and what a command does with a Ctrl-C while it starts.
 """
 
+import _thread
 import contextlib
 import ctypes
 import gc
+import logging
 import os
 import signal
 import sys
@@ -133,8 +135,24 @@ _interrupt = {"came": False, "raises": False}
 def _starting_interrupt(signum, frame) -> None:
     del signum
     _interrupt["came"] = True
-    if _interrupt["raises"] and not in_gc_callback(frame):
-        raise KeyboardInterrupt
+    if not _interrupt["raises"]:
+        return
+    if in_gc_callback(frame):  # raised there, it would be printed and ignored: once the
+        # callback has returned, the main thread is interrupted again (here, if the
+        # command has not ended meanwhile)
+        threading.Timer(_RETRY_S, _interrupt_again).start()
+        return
+    raise KeyboardInterrupt
+
+
+_RETRY_S = 0.01
+
+
+def _interrupt_again() -> None:
+    # Only to this handler: another one since (the training loop's guard) has seen the
+    # Ctrl-C already, through ``interrupted``, and would take this for a second one.
+    if _interrupt["raises"] and signal.getsignal(signal.SIGINT) is _starting_interrupt:
+        _thread.interrupt_main(signal.SIGINT)
 
 
 def record_interrupts() -> None:
@@ -146,7 +164,9 @@ def record_interrupts() -> None:
     ignored and the command goes on as if no Ctrl-C had come. Here a Ctrl-C is noted
     (``interrupted``); once ``raise_interrupts`` is called (the imports done) it raises
     ``KeyboardInterrupt`` as usual, except in a garbage-collection callback, where it is
-    only noted for the command to act on at its next check. Only from the main thread,
+    noted and raised again in the main thread once the callback has returned (the
+    training loop's guard, if installed by then, acts on the note at its next step).
+    Only from the main thread,
     and not where Ctrl-C is ignored (a command started in the background by a script).
     """
     if threading.current_thread() is not threading.main_thread():
@@ -179,16 +199,45 @@ def skip_shutdown() -> None:
     _skip_shutdown = True
 
 
-def exit_with(main: Callable[[], int]) -> NoReturn:
+def exit_with(
+    main: Callable[[], int], program: str | None = None, interrupted_note: str = ""
+) -> NoReturn:
     """Exit with ``main()``'s code, as a ``python -m`` entry point: its output may go to
     a reader that stops reading early, and its supervisor, if any, may end before it
-    (``end_with_parent``)."""
+    (``end_with_parent``).
+
+    With ``program``, a Ctrl-C (noted by ``record_interrupts`` while the command
+    started, or raised in ``main``) ends the command with ``program: error:
+    interrupted; interrupted_note`` and exit code 130, without the interpreter's
+    shutdown (see ``skip_shutdown``): never a traceback, nor the segmentation fault of a
+    runtime freed under XLA's compiler threads. A command that reports its own
+    interrupts (``ocformer.train``) catches them in ``main``.
+    """
     end_with_parent()
     sys.stdout = _StdoutOfGoneReader(sys.stdout)
-    code = int(main())
+    if program is None:
+        code = int(main())
+    else:
+        code = _interruptible(main, program, interrupted_note)
     if _skip_shutdown:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # a reader that has gone
                 stream.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _interruptible(main: Callable[[], int], program: str, note: str) -> int:
+    raise_interrupts()  # the command's imports are done
+    try:
+        if interrupted():  # noted while the command started
+            raise KeyboardInterrupt
+        return int(main())
+    except KeyboardInterrupt:
+        # orbax's and JAX's background threads would log tracebacks of their executors
+        # shut down under them while the process ends.
+        logging.getLogger("absl").setLevel(logging.CRITICAL)
+        skip_shutdown()
+        return fail(program, 130, "interrupted" + (f"; {note}" if note else ""))
+    finally:
+        _interrupt["raises"] = False  # a Ctrl-C after the command's end is only noted

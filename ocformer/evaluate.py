@@ -21,6 +21,12 @@ that is not a discretisation field, an invalid value, no checkpoint), 3 solver f
 a failed solve ends so too).
 """
 
+# ruff: noqa: E402 (the imports after the first wait for the command's Ctrl-C handler)
+from ._cli import record_interrupts
+
+if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not lost
+    record_interrupts()
+
 import argparse
 import json
 
@@ -123,4 +129,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, _PROGRAM, "nothing was written")

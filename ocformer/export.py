@@ -24,6 +24,12 @@ Exit codes: 0 written, 2 refused (bad work directory, step, discretisation or
 destination; nothing written), 1 unexpected error.
 """
 
+# ruff: noqa: E402 (the imports after the first wait for the command's Ctrl-C handler)
+from ._cli import record_interrupts
+
+if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not lost
+    record_interrupts()
+
 import argparse
 import errno
 import json
@@ -355,4 +361,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, _PROGRAM, "nothing was written")

@@ -9,6 +9,12 @@ arguments>`` submits one SLURM job of N x G training tasks, one per GPU
 with 2, before any process starts.
 """
 
+# ruff: noqa: E402 (the imports after the first wait for the command's Ctrl-C handler)
+from ._cli import record_interrupts
+
+if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not lost
+    record_interrupts()
+
 import argparse
 import shlex
 import sys
@@ -127,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, _PROGRAM)

@@ -13,6 +13,12 @@ last line naming the step each resumes at, or that it stopped before its first c
 SIGKILL after 60 s; rerun the same command to resume).
 """
 
+# ruff: noqa: E402 (the imports after the first wait for the command's Ctrl-C handler)
+from ._cli import record_interrupts
+
+if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not lost
+    record_interrupts()
+
 import argparse
 import sys
 
@@ -171,4 +177,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, _PROGRAM, "rerun the same command to resume")

@@ -121,8 +121,8 @@ def test_the_docs_name_every_module_that_reads_argv():
 
 def test_every_command_line_reports_a_refusal_through_one_function(capsys):
     """The modules that read argv import ``ocformer._cli.fail`` and write no error line
-    of their own, and exit through ``exit_with``; ``fail`` writes argparse's form and
-    returns the code it is given."""
+    of their own, and exit through ``exit_with``, having taken charge of Ctrl-C before
+    any other import; ``fail`` writes argparse's form and returns the code it is given."""
     from ocformer._cli import fail
 
     for module in sorted(_modules_reading_argv()):
@@ -131,7 +131,12 @@ def test_every_command_line_reports_a_refusal_through_one_function(capsys):
             path = ROOT / module.replace(".", "/") / "__main__.py"
         text = path.read_text()
         assert re.search(r"^from \.+_cli import exit_with, fail(, \w+)*$", text, re.M), module
-        assert text.endswith('if __name__ == "__main__":\n    exit_with(main)\n'), module
+        assert re.search(r'\nif __name__ == "__main__":\n    exit_with\(main(, .+)?\)\n\Z', text), (
+            module
+        )
+        # Ctrl-C is the command's to report from before its first heavy import.
+        first_import = re.search(r"^(import|from) .*$", text, re.M)
+        assert first_import and first_import[0].endswith("_cli import record_interrupts"), module
         assert not re.search(r"error: \{", text), f"{module} writes its own error line"
     assert fail("ocformer.train", 2, "bad --set") == 2
     assert fail(None, 4, "no values") == 4

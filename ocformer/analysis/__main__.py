@@ -7,6 +7,12 @@ Example:
         --schemes kvaerno3,kencarp3 --steps 4,8,16,32,64
 """
 
+# ruff: noqa: E402 (the imports after the first wait for the command's Ctrl-C handler)
+from .._cli import record_interrupts
+
+if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not lost
+    record_interrupts()
+
 import argparse
 import json
 import math
@@ -16,8 +22,8 @@ import sys
 from .._cli import exit_with, fail
 from ..checkpointing import atomic_write_text, output_problem
 
-# Importing the study makes no array (the package's __init__ has imported it already),
-# so 64-bit JAX, enabled in main before anything is computed, still applies.
+# Importing the study makes no array, so 64-bit JAX, enabled in main before anything
+# is computed, still applies.
 from ._convergence import (
     MAX_REFERENCE_STEPS_PER_LAYER,
     REFERENCE_FACTOR,
@@ -265,4 +271,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, _PROGRAM, "no --json or --plot file is left half-written")

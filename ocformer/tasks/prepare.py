@@ -17,6 +17,12 @@ holding one). Bad input (a missing, empty or non-UTF-8 file, a bad tokenizer, an
 does a ``--sdist`` that is not the release; a failed download exits with code 1.
 """
 
+# ruff: noqa: E402 (the imports after the first wait for the command's Ctrl-C handler)
+from .._cli import record_interrupts
+
+if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not lost
+    record_interrupts()
+
 import argparse
 import pathlib
 import signal
@@ -230,4 +236,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_with(main)
+    exit_with(main, "prepare")
