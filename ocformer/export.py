@@ -193,7 +193,8 @@ def _writing(error: OSError, path: str) -> bool:
     """Whether ``error`` is a failure to write the export at ``path`` (no permission,
     a read-only file system, no space): in it, in its staging sibling or in a folder
     above it, rather than in reading a file copied into it."""
-    unwritable = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+    # ENOENT: a folder that lists but takes no new entry (/proc, say)
+    unwritable = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOENT)
     if error.errno not in unwritable:
         return False
     if not error.filename:

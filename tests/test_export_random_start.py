@@ -11,6 +11,7 @@ that is not GPT-2's architecture is refused, naming what it lacks; a tied readou
 an image task, or a readout other than a checkpoint's, is refused by the configuration.
 """
 
+import errno
 import json
 import os
 import re
@@ -77,6 +78,28 @@ def test_a_tied_random_start_is_exported_as_gpt2_with_its_tokenizer(
     assert sorted(os.listdir(here)) == ["notes.txt"]
     monkeypatch.undo()
     assert export_cli.main([str(run), "--to", str(tmp_path / "hf")]) == 0
+    # Replaced from inside, it left the shell working there in a deleted directory.
+    before = sorted(os.listdir(tmp_path / "hf"))
+    monkeypatch.chdir(tmp_path / "hf")
+    for to in (".", str(tmp_path / "hf")):
+        assert export_cli.main([str(run), "--to", to, "--overwrite"]) == 2
+        assert "the current working directory" in capsys.readouterr().err
+    assert sorted(os.listdir(".")) == before and os.path.samefile(".", tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    # A folder that lists but takes no entry (/proc): named as --to, not a bare OS error.
+    import ocformer.convert._directory as directory
+
+    mkdir = os.mkdir
+
+    def no_entry(path, *args):
+        if not os.path.basename(path).startswith(".hf.tmp-"):  # the export's staging
+            return mkdir(path, *args)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+    monkeypatch.setattr(directory.os, "mkdir", no_entry)
+    assert export_cli.main([str(run), "--to", str(here / "hf")]) == 2
+    assert f"--to: {here / 'hf'} cannot be written ([Errno 2]" in capsys.readouterr().err
+    monkeypatch.undo()
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     # The marker says which run and step the checkpoint is.
     origin = json.loads((tmp_path / "hf" / "ocformer_export.json").read_text())["origin"]

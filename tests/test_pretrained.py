@@ -311,6 +311,34 @@ def test_hub_key_spellings(saved, inputs, tmp_path):
         assert_close(name, got, reference(name, saved[name][1], inputs), F64_TOL)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_config_without_epsilon_or_activation_reads_transformers_defaults(
+    saved, inputs, tmp_path, name
+):
+    """``transformers`` reads an absent ``layer_norm_eps`` or activation as its
+    configuration class's default (a hand-written or minimal ``config.json``); they
+    were refused as ``None``."""
+    path, hf = saved[name]
+    keys = ("activation_function", "layer_norm_epsilon") if name == "gpt2" else (
+        "hidden_act", "layer_norm_eps"
+    )  # fmt: skip
+    config = _rewrite(path, tmp_path / name)
+    defaults = type(hf.config)()
+    assert all(config[k] == getattr(defaults, k) for k in keys)  # what hf ran with
+    with open(tmp_path / name / "config.json", "w") as f:
+        json.dump({k: v for k, v in config.items() if k not in keys}, f)
+    got = ours(name, from_pretrained(tmp_path / name, dtype=np.float64), inputs)
+    assert_close(name, got, reference(name, hf, inputs), F64_TOL)
+
+
+def test_gpt2_reorder_and_upcast_attn_changes_only_rounding(inputs, tmp_path):
+    """Accepted (the docs say why): its float64 outputs are the same function's."""
+    hf = make_gpt2(seed=5, reorder_and_upcast_attn=True)
+    hf.save_pretrained(tmp_path / "gpt2")
+    got = ours("gpt2", from_pretrained(tmp_path / "gpt2", dtype=np.float64), inputs)
+    assert_close("gpt2", got, reference("gpt2", hf, inputs), F64_TOL)
+
+
 def test_sharded_checkpoint(saved, inputs, tmp_path):
     path, hf = saved["bert"]
     tensors = load_file(os.path.join(path, "model.safetensors"))

@@ -39,8 +39,8 @@ def _shapes(c: dict):
         read_int(c, "intermediate_size"),
     )
     read_heads(c, "num_attention_heads", d)
-    read_activation(c, "hidden_act")
-    read_eps(c, "layer_norm_eps")
+    read_activation(c, "hidden_act", "gelu")
+    read_eps(c, "layer_norm_eps", 1e-12)
     e = "embeddings."
     shapes: Shapes = {
         e + "word_embeddings.weight": (read_int(c, "vocab_size"), d),
@@ -77,12 +77,12 @@ def _build(c, t, heads):
             "w2": linear(h("output.dense.weight")), "b2": h("output.dense.bias"),
             "ln2_scale": h("output.LayerNorm.weight"), "ln2_bias": h("output.LayerNorm.bias"),
         })  # fmt: skip
-    eps = read_eps(c, "layer_norm_eps")
+    eps = read_eps(c, "layer_norm_eps", 1e-12)
     transformer = from_layers(
         layers,
         norm="post",
         num_heads=c["num_attention_heads"],
-        activation=read_activation(c, "hidden_act"),
+        activation=read_activation(c, "hidden_act", "gelu"),
         ln_eps=eps,
     )
     dtype = transformer.layer(0).attention.wq.dtype

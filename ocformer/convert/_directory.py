@@ -177,6 +177,7 @@ def check_destination(path: str, overwrite: bool) -> None:
 
     Raises:
         ValueError: ``path`` is empty; ``path``, or a folder above it, is a file;
+            ``path`` is or holds the current working directory;
             ``path`` is a symbolic link (the directory is replaced whole, by a rename,
             which would replace the link and leave its target as it was); or the
             folder it is written in cannot be written.
@@ -210,7 +211,18 @@ def check_destination(path: str, overwrite: bool) -> None:
             "cannot be written (no permission, or a read-only file system; the directory is "
             "written next to its place, then renamed); give a path under a writable directory."
         )
-    if overwrite or not os.path.isdir(path):
+    if not os.path.isdir(path):
+        return
+    with contextlib.suppress(OSError):  # a working directory deleted meanwhile has none
+        here, target = os.path.realpath(os.getcwd()), os.path.realpath(path)
+        if here == target or here.startswith(target.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"to_pretrained replaces the directory {path!r} whole (the new one is "
+                "renamed into its place), but the current working directory "
+                f"({here}) is in it, and would be left deleted under the shell that "
+                "works there; write it from another directory."
+            )
+    if overwrite:
         return
     names = sorted(os.listdir(path))
     if not names:

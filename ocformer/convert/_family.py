@@ -89,8 +89,10 @@ def require(config: dict, options: dict[str, tuple[tuple, Any]]) -> None:
         )
 
 
-def read_activation(config: dict, key: str) -> Activation:
-    name = config.get(key)
+def read_activation(config: dict, key: str, default: str) -> Activation:
+    """The activation ``config[key]`` names; ``default`` (the ``transformers``
+    configuration class's) when the key is absent, as ``transformers`` reads it."""
+    name = config.get(key, default)
     if name not in ACTIVATIONS:
         raise ValueError(
             f"config.json: {key}={name!r} is not supported; supported activations: "
@@ -100,8 +102,10 @@ def read_activation(config: dict, key: str) -> Activation:
     return ACTIVATIONS[name]
 
 
-def read_eps(config: dict, key: str) -> float:
-    eps = config.get(key)
+def read_eps(config: dict, key: str, default: float) -> float:
+    """The LayerNorm epsilon ``config[key]``; ``default`` (the ``transformers``
+    configuration class's) when the key is absent, as ``transformers`` reads it."""
+    eps = config.get(key, default)
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"config.json: {key} must be a number >= 0, got {eps!r}.")
     return float(eps)

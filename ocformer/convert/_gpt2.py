@@ -46,8 +46,8 @@ def _shapes(c: dict):
     )
     d, n_layer, ff, vocab, positions = _sizes(c)
     read_heads(c, "n_head", d)
-    read_activation(c, "activation_function")
-    read_eps(c, "layer_norm_epsilon")
+    read_activation(c, "activation_function", "gelu_new")
+    read_eps(c, "layer_norm_epsilon", 1e-5)
     shapes: Shapes = {"wte.weight": (vocab, d), "wpe.weight": (positions, d)}
     for i in range(n_layer):
         h = f"h.{i}."
@@ -89,9 +89,9 @@ def _build(c, t, heads):
         layers,
         norm="pre",
         num_heads=c["n_head"],
-        activation=read_activation(c, "activation_function"),
+        activation=read_activation(c, "activation_function", "gelu_new"),
         causal=True,
-        ln_eps=read_eps(c, "layer_norm_epsilon"),
+        ln_eps=read_eps(c, "layer_norm_epsilon", 1e-5),
         final_norm=norm_dict(t, "ln_f"),
     )
     embedding = _token_embedding(t["wte.weight"], t["wpe.weight"])

@@ -55,8 +55,8 @@ def _shapes(c: dict):
         read_int(c, "intermediate_size"),
     )
     read_heads(c, "num_attention_heads", d)
-    read_activation(c, "hidden_act")
-    read_eps(c, "layer_norm_eps")
+    read_activation(c, "hidden_act", "gelu")
+    read_eps(c, "layer_norm_eps", 1e-12)
     image, patch, channels = _sizes(c)
     qkv_bias = c.get("qkv_bias", True)
     e = "embeddings."
@@ -116,8 +116,8 @@ def _build(c, t, heads):
         layers,
         norm="pre",
         num_heads=c["num_attention_heads"],
-        activation=read_activation(c, "hidden_act"),
-        ln_eps=read_eps(c, "layer_norm_eps"),
+        activation=read_activation(c, "hidden_act", "gelu"),
+        ln_eps=read_eps(c, "layer_norm_eps", 1e-12),
         final_norm=norm_dict(t, "layernorm"),
     )
     dtype = transformer.layer(0).attention.wq.dtype

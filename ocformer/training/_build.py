@@ -550,9 +550,10 @@ def build_from_own_checkpoint(config: Config, workdir: str, **kwargs) -> Experim
             raise
         raise ConfigError(
             e.field,
-            f"{str(e).removeprefix(e.field + ': ')}. {workdir} takes its parameters from "
-            "its own checkpoint, but a run that started from model.init_from reads the "
-            "source again for the model's structure: put the source back at that path",
+            f"{str(e).removeprefix(e.field + ': ').rstrip('.')}. {workdir} takes its "
+            "parameters from its own checkpoint, but a run that started from "
+            "model.init_from reads the source again for the model's structure: put the "
+            "source back at that path",
         ) from None
     _check_source_unchanged(config, workdir, exp.model)
     return exp
