@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar, Literal
@@ -22,7 +23,7 @@ import ocformer
 from ocformer.checkpointing import atomic_write_text
 from ocformer.config import Config, resolve
 from ocformer.tasks import AbstractTask, DataNotFoundError
-from ocformer.training import build_task
+from ocformer.training import build_task, make_train_step, with_precision
 
 DEFAULT_EXPERIMENT = "experiments/shakespeare_char.py"
 # The vocabulary of the checksummed Shakespeare corpus (its sorted set of characters):
@@ -192,13 +193,47 @@ def machine_info() -> dict:
     }
 
 
+# The repository holding this package: its git commit is the one measured.
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _git(*args: str) -> str | None:
+    """``git args`` in ``REPOSITORY``, its stdout stripped; ``None`` where git is
+    missing or fails."""
+    try:
+        proc = subprocess.run(
+            ["git", *args], cwd=REPOSITORY, capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def git_state() -> dict:
+    """``git_commit`` (``git rev-parse HEAD``) and ``git_uncommitted_changes`` (whether
+    ``git status --porcelain`` lists anything: edits or untracked files) of the
+    repository measured; both ``None`` where it is not a git checkout of its own (a
+    copy of the working tree without ``.git``, which git would otherwise resolve to an
+    enclosing repository) or git is missing."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top) != os.path.realpath(REPOSITORY):
+        return {"git_commit": None, "git_uncommitted_changes": None}
+    status = _git("status", "--porcelain")
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_uncommitted_changes": None if status is None else bool(status),
+    }
+
+
 def provenance(started: float | None = None) -> dict:
     """The keys every result file ends with: package versions, the machine, the time,
-    and with ``started`` (a ``time.perf_counter()`` reading) the benchmark's wall clock."""
+    the git commit and whether the tree had uncommitted changes (``git_state``), and
+    with ``started`` (a ``time.perf_counter()`` reading) the benchmark's wall clock."""
     out = {
         "versions": versions(),
         "machine": machine_info(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **git_state(),
     }
     if started is not None:
         out["wall_clock_s"] = time.perf_counter() - started
@@ -297,6 +332,20 @@ class CompileCounter:
 
     def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def loop_step(exp):
+    """The training command's step for the experiment ``exp`` (``ocformer.training.
+    build``'s): ``make_train_step`` on its objective under the precision policy of
+    ``model.precision`` (``with_precision``), its constraints and optimiser, non-finite
+    updates discarded inside the step (``skip_nonfinite=True``, as the training loop
+    compiles it in both ``train.on_nonfinite`` modes)."""
+    return make_train_step(
+        with_precision(exp.objective, exp.config),
+        exp.constraints,
+        exp.optimiser,
+        skip_nonfinite=True,
+    )
 
 
 def donated(step, model):

@@ -1,7 +1,8 @@
 """A whole training step of the default experiment against flax and PyTorch.
 
 ocformer's step is the one the training loop compiles (``ocformer.training.
-make_train_step`` on the objects of ``ocformer.training.build``): forward, backward,
+make_train_step`` on the objects of ``ocformer.training.build``, ``_common.loop_step``):
+forward, backward,
 global-norm clipping, AdamW, the constraint projection and the finiteness flags. The
 benchmark wraps it in ``jax.jit`` with the parameters and optimiser state donated. The
 references are written here with the same shapes, the same optax optimiser (flax) or
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ocformer.training import build, make_train_step
+from ocformer.training import build
 
 from . import _flax_gpt, _torch_gpt
 from ._common import (
@@ -28,6 +29,7 @@ from ._common import (
     entry_copies,
     experiment_config,
     experiment_task,
+    loop_step,
     time_interleaved,
     usable_cores,
     xla_matmul,
@@ -138,15 +140,10 @@ def run(
     batch_np = task.batch("train", 0, b, seed)
     batch = {k: jnp.asarray(v) for k, v in batch_np.items()}
 
-    loop_step = make_train_step(
-        exp.objective,
-        exp.constraints,
-        exp.optimiser,
-        skip_nonfinite=True,  # as the training loop compiles it, in both modes
-    )
+    oc_step = loop_step(exp)
     oc_loss = float(exp.objective(exp.model, batch)[1]["task_loss"])
     opt_state = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
-    jitted, params = donated(loop_step, exp.model)
+    jitted, params = donated(oc_step, exp.model)
     oc_compiled, oc_compile_s = aot_compile(jitted, params, opt_state, batch)
     copies = {"ocformer": entry_copies(oc_compiled)}
     cost = oc_compiled.cost_analysis()
@@ -155,13 +152,13 @@ def run(
     # The loop's own call, as the training loop makes it (not donated); compiled on
     # its first call.
     start = time.perf_counter()
-    loop_state = loop_step(exp.model, opt_state, batch)
+    loop_state = oc_step(exp.model, opt_state, batch)
     jax.block_until_ready(loop_state)
     loop_compile_s = time.perf_counter() - start
 
     def loop_run():
         nonlocal loop_state
-        loop_state = loop_step(loop_state[0], loop_state[1], batch)
+        loop_state = oc_step(loop_state[0], loop_state[1], batch)
         jax.block_until_ready(loop_state)
 
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731 (fresh, donatable buffers)
@@ -181,12 +178,7 @@ def run(
         variant = build(
             experiment_config([*overrides, f"discretisation.gradient={gradient}"]), task=task
         )
-        variant_step = make_train_step(
-            variant.objective,
-            variant.constraints,
-            variant.optimiser,
-            skip_nonfinite=True,  # as the step above
-        )
+        variant_step = loop_step(variant)
         v_opt_state = variant.optimiser.init(eqx.filter(variant.model, eqx.is_inexact_array))
         v_jitted, v_params = donated(variant_step, variant.model)
         v_compiled, v_compile_s = aot_compile(v_jitted, v_params, v_opt_state, batch)

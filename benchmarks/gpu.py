@@ -3,10 +3,12 @@
 bfloat16 compute with float32 master parameters and optimiser state. ocformer's model
 is the default experiment's kind (pre-LN, causal, GELU, final LayerNorm, AdamW with
 clipping) at GPT-2-small size, built through ``ocformer.config`` and
-``ocformer.training.build`` with ``model.precision=bfloat16``; its loss is the training
-command's precision policy (``ocformer.objective.MixedPrecision``: the float32
-parameters cast to bfloat16 inside the differentiated function, layer-norm statistics,
-softmax and loss in float32), so gradients and updates stay float32.
+``ocformer.training.build`` with ``model.precision=bfloat16``. Its step is the training
+command's, as in the CPU benchmark (``_common.loop_step``: ``make_train_step`` with the
+precision policy, ``ocformer.objective.MixedPrecision``: the float32 parameters cast to
+bfloat16 inside the differentiated function, layer-norm statistics, softmax and loss in
+float32, so gradients and updates stay float32; the constraint projection, the
+finiteness flags with non-finite updates skipped, the gradient norm), donated.
 The flax reference (``_flax_gpt``, plain and ``nn.remat``) computes in bfloat16 from
 float32 parameters in the usual flax way (``dtype=bfloat16``). Reported: tokens/s,
 model FLOP/s and MFU against the GPU's dense bfloat16 peak (the FLOP convention of
@@ -27,10 +29,8 @@ from collections.abc import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import optax
 
 from ocformer.integration import GRADIENT_METHODS
-from ocformer.objective import MixedPrecision
 from ocformer.training import build
 
 from . import _flax_gpt
@@ -39,9 +39,11 @@ from ._common import (
     Candidate,
     RandomTokens,
     aot_compile,
+    donated,
     entry_copies,
     experiment_config,
     jax_compiled,
+    loop_step,
     matmul_peak,
     provenance,
     time_interleaved,
@@ -78,32 +80,36 @@ def _overrides(size: dict, attention: str, gradient: str | None = None) -> list[
 
 
 def _ocformer_step(exp):
-    """``(params, opt_state, batch) -> (params, opt_state, loss)``: the precision policy
-    of the training command (``model.precision``), donated, with the optimiser of the
-    experiment."""
-    params, static = eqx.partition(exp.model, eqx.is_array)
-    precision = exp.config.model.precision
-    objective = exp.objective if precision is None else MixedPrecision(exp.objective, precision)
+    """``(params, opt_state, batch) -> (params, opt_state, metrics, finite)``: the
+    training command's step (``_common.loop_step``: the precision policy of
+    ``model.precision``, clipping and AdamW, the constraint projection, the finiteness
+    flags with non-finite updates skipped, the gradient norm), with the parameters and
+    optimiser state donated, as the CPU benchmark times it."""
+    return donated(loop_step(exp), exp.model)
 
-    def loss_fn(params, batch):
-        loss, _ = objective(eqx.combine(params, static), batch)
-        return loss
 
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = exp.optimiser.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+# The custom call of cuDNN's fused attention (jax's cudnn fused_attention_stablehlo).
+_CUDNN_ATTENTION = "__cudnn$fmha"
 
-    return jax.jit(step, donate_argnums=(0, 1)), params
+
+def _attention_ran(compiled) -> str:
+    """``"cudnn"`` if the compiled step calls cuDNN's fused attention, else ``"xla"``:
+    what ran, whatever was asked for (``kernel="cudnn"`` falls back off NVIDIA GPUs)."""
+    return "cudnn" if _CUDNN_ATTENTION in (jax_compiled(compiled).as_text() or "") else "xla"
 
 
 class _Stepper:
+    """Holds a training state and advances it by one call of a compiled step whose
+    outputs begin with the new parameters and optimiser state; ``loss`` is the last
+    step's (the loop's ``metrics["loss"]``, or the reference's third output)."""
+
     def __init__(self, compiled, params, opt_state, batch):
         self.compiled, self.state, self.batch = compiled, (params, opt_state), batch
         self.loss = None
 
     def __call__(self):
-        params, opt_state, loss = self.compiled(*self.state, self.batch)
+        params, opt_state, out, *_ = self.compiled(*self.state, self.batch)
+        loss = out["loss"] if isinstance(out, dict) else out
         jax.block_until_ready(loss)
         self.state, self.loss = (params, opt_state), loss
 
@@ -129,7 +135,7 @@ def run(
 
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
     oc_jit, oc_params = _ocformer_step(exp)
-    oc_opt = exp.optimiser.init(oc_params)
+    oc_opt = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
     oc_compiled, oc_compile_s = aot_compile(oc_jit, oc_params, oc_opt, batch)
     candidates = [
         Candidate(
@@ -138,12 +144,13 @@ def run(
             oc_compile_s,
         )
     ]
+    attention_ran = _attention_ran(oc_compiled)
     memory = {"ocformer": jax_compiled(oc_compiled).memory_analysis()}
     copies = {"ocformer": entry_copies(oc_compiled)}
     for gradient in gradients:
         variant = build(experiment_config(_overrides(size, attention, gradient)), task=task)
         v_jit, v_params = _ocformer_step(variant)
-        v_opt = variant.optimiser.init(v_params)
+        v_opt = variant.optimiser.init(eqx.filter(variant.model, eqx.is_inexact_array))
         v_compiled, v_compile_s = aot_compile(v_jit, v_params, v_opt, batch)
         name = f"ocformer_{gradient}"
         candidates.append(
@@ -200,6 +207,7 @@ def run(
     return {
         "size": size,
         "params": shape.num_params(),
+        "attention_implementation": attention_ran,
         "compute_dtype": "bfloat16",
         "master_dtype": "float32",
         "timing": timing,
@@ -300,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report = {
         "benchmark": "ocformer GPT training step on one GPU, bfloat16 compute, float32 master",
         "dry_run": args.dry_run,
-        "attention_implementation": args.attention,
+        # --attention; attention_implementation (in result) is what the compiled step
+        # runs: cuDNN's kernel only on an NVIDIA GPU.
+        "attention_requested": args.attention,
         **result,
         **provenance(),
     }

@@ -3,12 +3,22 @@
 # JSON written to $OUT (default benchmarks/gpu/<date>) as soon as it is measured. Needs
 # one NVIDIA GPU and a CUDA build of jax; about 8 minutes on an H200, most of it
 # compilation. EXTRA="--dry-run" runs the same commands at a tiny size anywhere.
+# PYTHON is the interpreter; by default the repository's .venv/bin/python where it
+# exists and runs, else `python` from PATH (a GPU machine's image, with no .venv).
 #
 #   OUT=/some/dir bash benchmarks/gpu_session.sh
+#   PYTHON=/path/to/python EXTRA=--dry-run bash benchmarks/gpu_session.sh
 set -uo pipefail
 out="${OUT:-benchmarks/gpu/$(date +%Y-%m-%d)}"
 mkdir -p "$out"
-py="${PYTHON:-$(command -v python || command -v python3)}"
+venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python"
+if [[ -n "${PYTHON:-}" ]]; then
+    py="$PYTHON"
+elif [[ -x "$venv" ]] && "$venv" -c '' 2>/dev/null; then
+    py="$venv"
+else
+    py="$(command -v python || command -v python3)"
+fi
 # Files are named by the card (h200_..., h100_...): the model in nvidia-smi's name of
 # GPU 0 ("NVIDIA H100 80GB HBM3" -> h100).
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 |

@@ -1,16 +1,19 @@
 """Where the time of one training step goes: a ``jax.profiler`` trace, summarised.
 
-Runs the default experiment's donated training step (as in ``benchmarks.run``) and the
-flax reference under ``jax.profiler.trace``, then reads the trace back
+Runs the default experiment's donated training step (as in ``benchmarks.run``: the
+training loop's ``make_train_step``, non-finite updates skipped, ``_common.loop_step``)
+and the flax reference under ``jax.profiler.trace``, then reads the trace back
 (``jax.profiler.ProfileData``) and sums the *self* time (an event's duration minus that
 of the events nested in it on the same thread) of every XLA operation over the traced
-steps. Each operation is put in a category by its name in the optimised HLO: matrix
-products (``dot``, and the fusions XLA hands to its matmul libraries), the loop
-machinery (``while``, ``conditional``, ``call``), data movement (``copy``,
-``transpose``, ``dynamic-slice``/``dynamic-update-slice``, ``concatenate``) and the
-other fusions (element-wise work and reductions: layer norms, softmax, GELU, the
-optimiser). The top operations are listed with the source operation XLA recorded for
-them.
+steps. Each operation is put in a category by what it computes in the optimised HLO:
+matrix products (a ``dot`` or ``convolution``, a fusion whose fused computation
+contains one, a custom call to a matmul library), then by name the loop machinery
+(``while``, ``conditional``, ``call``), data movement (``copy``, ``transpose``,
+``dynamic-slice``/``dynamic-update-slice``, ``concatenate``) and the other fusions
+(element-wise work and reductions: layer norms, softmax, GELU, the optimiser). A
+fusion's name does not say which it is: XLA:CPU hands pure reductions to YNNPACK as
+``ynn_fusion``s too. The top operations are listed with the source operation XLA
+recorded for them.
 
 Usage::
 
@@ -31,15 +34,23 @@ import jax
 import jax.numpy as jnp
 
 from ocformer.config import ConfigError
-from ocformer.training import build, make_train_step
+from ocformer.training import build
 
 from . import _flax_gpt
 from ._args import output_file, positive_int
-from ._common import donated, experiment_config, experiment_task, jax_compiled, write_json
+from ._common import (
+    donated,
+    experiment_config,
+    experiment_task,
+    jax_compiled,
+    loop_step,
+    provenance,
+    write_json,
+)
 from ._gpt import gpt_shape
 
+MATMUL = "matmul"
 CATEGORIES = (
-    ("matmul", re.compile(r"^(dot|ynn_fusion|xnn_fusion|onednn|custom-call|__onednn)")),
     ("loop machinery", re.compile(r"^(while|conditional|call|body|cond)")),
     (
         "data movement",
@@ -56,9 +67,74 @@ NOT_OPS = ("ThreadpoolListener", "end: ")
 EXECUTOR = "ThunkExecutor"
 
 
-def category(op: str) -> str:
+# An HLO computation's header (``%name (params) -> shape {``, ``ENTRY %name ... {``), an
+# instruction's name, and the computations an instruction calls.
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_CALLED = re.compile(
+    r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)"
+    r"|(?:called_computations|branch_computations)=\{([^}]*)\}"
+)
+_PRODUCT = re.compile(r" (?:dot|convolution)\(")
+_MATMUL_TARGET = re.compile(r'custom_call_target="[^"]*(?:matmul|gemm|conv|dot)', re.IGNORECASE)
+
+
+def _called(line: str) -> list[str]:
+    names = []
+    for single, listed in _CALLED.findall(line):
+        names += [single] if single else [n.strip().lstrip("%") for n in listed.split(",")]
+    return [n for n in names if n]
+
+
+def matmul_ops(hlo_text: str) -> frozenset[str]:
+    """The instructions of an optimised HLO module that compute matrix products: a
+    ``dot`` or ``convolution``, a fusion whose computation contains one (at any depth
+    of nested computations), and a custom call to a matmul library. By content, not
+    by name: on XLA:CPU a ``ynn_fusion`` is often a reduction with no product."""
+    bodies: dict[str, list[str]] = {}
+    lines: list[str] | None = None
+    for line in hlo_text.splitlines():
+        if m := _COMPUTATION.match(line):
+            lines = bodies.setdefault(m.group(1), [])
+        elif line.startswith("}"):
+            lines = None
+        elif lines is not None:
+            lines.append(line)
+
+    memo: dict[str, bool] = {}
+
+    def has_product(computation: str) -> bool:
+        if computation not in memo:
+            memo[computation] = False  # a cycle (there is none in HLO) ends here
+            memo[computation] = any(
+                _PRODUCT.search(line) or any(has_product(c) for c in _called(line))
+                for line in bodies.get(computation, ())
+            )
+        return memo[computation]
+
+    out = set()
+    for body in bodies.values():
+        for line in body:
+            m = _INSTRUCTION.match(line)
+            if m is None:
+                continue
+            rest = line[m.end() :]
+            if (
+                _PRODUCT.search(rest)
+                or (" fusion(" in rest and any(has_product(c) for c in _called(rest)))
+                or (" custom-call(" in rest and _MATMUL_TARGET.search(rest))
+            ):
+                out.add(m.group(1))
+    return frozenset(out)
+
+
+def category(op: str, matmuls: frozenset[str] = frozenset()) -> str:
+    """``op``'s category; ``matmuls``: the names of the instructions that compute matrix
+    products (``matmul_ops`` of the compiled program's HLO)."""
     if op.startswith(EXECUTOR):
         return "executor (scheduling, waiting)"
+    if op in matmuls:
+        return MATMUL
     for name, pattern in CATEGORIES:
         if pattern.match(op):
             return name
@@ -120,12 +196,18 @@ def profile(step, state: tuple, fixed: tuple, n_state: int, steps: int, trace_di
     return _self_times(path)
 
 
-def summarise(times: dict[str, float], sources: dict[str, str], steps: int, top: int) -> dict:
+def summarise(
+    times: dict[str, float],
+    sources: dict[str, str],
+    matmuls: frozenset[str],
+    steps: int,
+    top: int,
+) -> dict:
     per_step = {k: v / steps for k, v in times.items() if not k.startswith(EXECUTOR)}
     total = sum(per_step.values())
     by_category: dict[str, float] = collections.defaultdict(float)
     for op, t in per_step.items():
-        by_category[category(op)] += t
+        by_category[category(op, matmuls)] += t
     ranked = sorted(per_step.items(), key=lambda kv: -kv[1])[:top]
     return {
         "op_time_per_step_s": total,
@@ -134,7 +216,13 @@ def summarise(times: dict[str, float], sources: dict[str, str], steps: int, top:
         ),
         "by_category": {k: {"s": v, "fraction": v / total} for k, v in by_category.items()},
         "top_ops": [
-            {"op": op, "s": t, "fraction": t / total, "source": sources.get(op, "")}
+            {
+                "op": op,
+                "s": t,
+                "fraction": t / total,
+                "category": category(op, matmuls),
+                "source": sources.get(op, ""),
+            }
             for op, t in ranked
         ],
     }
@@ -158,13 +246,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     batch = {
         k: jnp.asarray(v) for k, v in task.batch("train", 0, config.task.batch_size, 0).items()
     }
-    loop_step = make_train_step(
-        exp.objective,
-        exp.constraints,
-        exp.optimiser,
-        skip_nonfinite=config.train.on_nonfinite == "skip",
-    )
-    jitted, params = donated(loop_step, exp.model)
+    jitted, params = donated(loop_step(exp), exp.model)
     opt_state = exp.optimiser.init(eqx.filter(exp.model, eqx.is_inexact_array))
     oc = jitted.lower(params, opt_state, batch).compile()
 
@@ -180,9 +262,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         ("flax", fx, (flax_params, flax_opt)),
     ):
         times = profile(compiled, state, (batch,), 2, args.steps, f"{base}/{name}")
-        sources = _hlo_sources(jax_compiled(compiled).as_text())
-        report[name] = summarise(times, sources, args.steps, args.top)
+        hlo = jax_compiled(compiled).as_text()
+        report[name] = summarise(times, _hlo_sources(hlo), matmul_ops(hlo), args.steps, args.top)
     report["trace_dir"] = base
+    report.update(provenance())
     print(f"trace: {base} (open with TensorBoard's profile plugin or ui.perfetto.dev)")
     for name in ("ocformer", "flax"):
         r = report[name]

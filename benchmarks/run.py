@@ -16,7 +16,7 @@ Sections (each described in its module and in benchmarks/README.md):
 
 Usage::
 
-    python -m benchmarks.run --quick --json FILE   # every key; sized for < 2 min on 2 idle cores
+    python -m benchmarks.run --quick --json FILE   # every key; about 2-2.5 min on the 2-core CPU
     python -m benchmarks.run --json FILE           # more repeats, depths and shapes
     python -m benchmarks.run --tiny --json FILE    # every code path at tiny sizes
 """
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     mode.add_argument(
         "--quick",
         action="store_true",
-        help="every key, sized for about 2.5 minutes on 2 idle cores",
+        help="every key: about 2-2.5 minutes on the 2-core CPU",
     )
     mode.add_argument("--tiny", action="store_true", help="tiny sizes: checks the code paths")
     parser.add_argument(

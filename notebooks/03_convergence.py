@@ -72,7 +72,7 @@ summary(pre)
 # %% [markdown]
 # Each fitted slope printed above sits next to the scheme's order: Lie and parallel
 # splitting and Euler are first order, Strang (midpoint sub-flows) and the second-order
-# Runge-Kutta methods second, Bosh3 third. Tsit5's errors (in the table above: far
+# Runge-Kutta methods second, Bosh3 third. Tsit5's errors (in the plot above: far
 # above float64 rounding at the finest grid) fall faster than its order on the coarse
 # grids, and its local slopes come down towards that order as the steps shrink: the
 # asymptotic regime arrives at the finer grids.

@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks._common import entry_copies, log_log_slope
 from benchmarks._gpt import GPTShape, model_flops_per_token
-from benchmarks.profile_step import _self_times_of_line, category
+from benchmarks.profile_step import _self_times_of_line, category, matmul_ops
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,6 +141,10 @@ def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["dry_run"] is True and r["compute_dtype"] == "bfloat16"
+    # What ran: on a CPU no cuDNN kernel, whatever --attention asked for.
+    assert r["attention_requested"] == "xla" and r["attention_implementation"] == "xla"
+    # Provenance: the commit measured (null outside a git checkout of its own).
+    assert {"git_commit", "git_uncommitted_changes", "versions", "machine"} <= set(r)
     for key in ("tokens_per_s", "ratio_vs_flax", "ratio_vs_flax_remat", "model_flops_per_step"):
         assert _finite(r[key]) and r[key] > 0, key
     # The stored gradients are timed in the same rounds, on the same model.
@@ -216,8 +220,47 @@ def test_profile_self_time_subtracts_nested_events():
     events = [(0, 100, "while"), (10, 40, "dot"), (50, 60, "fusion"), (100, 120, "dot")]
     _self_times_of_line(events, totals)
     assert totals == pytest.approx({"while": 60e-9, "dot": 50e-9, "fusion": 10e-9}, abs=1e-18)
-    assert category("dot.3") == "matmul" and category("while.1") == "loop machinery"
-    assert category("copy.2") == "data movement"
+    assert category("while.1") == "loop machinery" and category("copy.2") == "data movement"
+
+
+def test_profile_counts_as_matrix_products_what_computes_one():
+    """By content, not by name: XLA:CPU hands reductions to YNNPACK as ``ynn_fusion``s
+    too; a fusion is a matrix product when its computation holds a dot, at any depth."""
+    hlo = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%reduction (p0: f32[], p1: f32[8,8]) -> f32[8] {
+  %p1 = f32[8,8]{1,0} parameter(1)
+  ROOT %r = f32[8]{0} reduce(%p1, %p0), dimensions={1}, to_apply=%add
+}
+
+%product (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {
+  %dot_general.0 = f32[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}
+  ROOT %t = f32[8,8]{1,0} tanh(%dot_general.0)
+}
+
+%outer (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {
+  ROOT %inner = f32[8,8]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%product
+}
+
+ENTRY %main (a: f32[8,8], b: f32[8,8]) -> f32[8] {
+  %ynn_fusion = f32[8]{0} fusion(%c, %a), kind=kCustom, calls=%reduction
+  %ynn_fusion.1 = f32[8,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%product
+  %nested_fusion = f32[8,8]{1,0} fusion(%a, %b), kind=kLoop, calls=%outer
+  %dot.3 = f32[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}
+  %custom-call.1 = f32[8,8]{1,0} custom-call(%a, %b), custom_call_target="__onednn$matmul"
+  ROOT %copy.2 = f32[8]{0} copy(%ynn_fusion)
+}
+"""
+    matmuls = matmul_ops(hlo)
+    assert {"ynn_fusion.1", "nested_fusion", "dot.3", "custom-call.1"} <= matmuls
+    assert "ynn_fusion" not in matmuls and "copy.2" not in matmuls
+    assert category("ynn_fusion", matmuls) == "other fusions (element-wise, reductions)"
+    assert category("ynn_fusion.1", matmuls) == "matmul"
+    assert category("dot.3", matmuls) == "matmul"
 
 
 @pytest.mark.slow
