@@ -19,7 +19,10 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from argparse import ArgumentParser
 
 PARENT_ENV = "OCFORMER_PARENT_PID"
 """Set by a command that supervises its child processes (``ocformer.launch``, a sweep)
@@ -183,6 +186,18 @@ def raise_interrupts() -> None:
 def interrupted() -> bool:
     """Whether a Ctrl-C came since ``record_interrupts`` (raised or only noted)."""
     return _interrupt["came"]
+
+
+def add_compile_cache_option(parser: "ArgumentParser") -> None:
+    """The ``--no-compile-cache`` option of a command that compiles, for
+    ``ocformer.training.enable_compile_cache(off=args.no_compile_cache)``."""
+    parser.add_argument(
+        "--no-compile-cache",
+        action="store_true",
+        help="do not use JAX's persistent compilation cache (default: on, in "
+        "$OCFORMER_COMPILE_CACHE, else $XDG_CACHE_HOME/ocformer/jax or "
+        "~/.cache/ocformer/jax; OCFORMER_COMPILE_CACHE=off also turns it off)",
+    )
 
 
 _skip_shutdown = False

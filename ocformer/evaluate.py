@@ -30,11 +30,17 @@ if __name__ == "__main__":  # before JAX loads: a Ctrl-C meanwhile is noted, not
 import argparse
 import json
 
-from ._cli import exit_with, fail
+from ._cli import add_compile_cache_option, exit_with, fail
 from .checkpointing import CheckpointError, atomic_write_text, output_problem
 from .config import ConfigError, resolve
 from .evaluation import evaluate_run, evaluate_start
-from .training import ExitCode, TrainingError, WorkdirError, enable_x64_for_config
+from .training import (
+    ExitCode,
+    TrainingError,
+    WorkdirError,
+    enable_compile_cache,
+    enable_x64_for_config,
+)
 
 _PROGRAM = "ocformer.evaluate"
 
@@ -70,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write the result here")
+    add_compile_cache_option(p)
     return p
 
 
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json is not None and (problem := output_problem(args.json, "--json")):
         return fail(_PROGRAM, ExitCode.USAGE, problem)  # before anything is evaluated
+    enable_compile_cache(off=args.no_compile_cache)  # before anything is compiled
     try:
         if args.config is not None:
             config = resolve(args.config, args.overrides)

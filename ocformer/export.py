@@ -37,7 +37,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
-from ._cli import exit_with, fail
+from ._cli import add_compile_cache_option, exit_with, fail
 from .checkpointing import CheckpointError
 from .config import Config, ConfigError, ControlsConfig, DiscretisationConfig, ModelConfig
 from .convert import check_destination, export_config, to_pretrained
@@ -47,6 +47,7 @@ from .tasks import TOKENIZER_FILE, sha256_file
 from .training import (
     ExitCode,
     WorkdirError,
+    enable_compile_cache,
     enable_x64_for_run,
     load_run_at,
     parse_source,
@@ -343,12 +344,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="where the run's dataset directory was moved (it must hold the same files)",
     )
+    add_compile_cache_option(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
+    enable_compile_cache(off=args.no_compile_cache)  # before anything is compiled
     enable_x64_for_run(args.workdir)  # a float64 run (or start) is rebuilt in float64
     try:
         path = export(

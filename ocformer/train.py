@@ -29,12 +29,18 @@ import types
 
 import jax
 
-from ._cli import exit_with, fail, interrupted, raise_interrupts, skip_shutdown
+from ._cli import (
+    add_compile_cache_option,
+    exit_with,
+    fail,
+    interrupted,
+    raise_interrupts,
+    skip_shutdown,
+)
 from .checkpointing import CheckpointError, CheckpointManager
 from .config import ConfigError, apply_overrides, load_experiment, validate
 from .distributed import DistributedError, initialize, lost_peer
 from .training import (
-    COMPILE_CACHE_ENV,
     RUN_MARKER,
     ExitCode,
     Preempted,
@@ -78,13 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         help="resume DIR even though the configuration differs from the one it holds "
         "(the change is recorded in DIR/config_history.jsonl)",
     )
-    p.add_argument(
-        "--no-compile-cache",
-        action="store_true",
-        help="do not use JAX's persistent compilation cache (default: on, in "
-        "$OCFORMER_COMPILE_CACHE, else $XDG_CACHE_HOME/ocformer/jax or "
-        "~/.cache/ocformer/jax; OCFORMER_COMPILE_CACHE=off also turns it off)",
-    )
+    add_compile_cache_option(p)
     group = p.add_argument_group("several processes (default: from SLURM or a TPU slice)")
     group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
@@ -121,9 +121,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     except ConfigError as e:
         return fail(_PROGRAM, ExitCode.USAGE, str(e))
     enable_x64_for_config(config)
-    if args.no_compile_cache:
-        os.environ[COMPILE_CACHE_ENV] = "off"  # also for train(), which enables it
-    enable_compile_cache()  # before anything is compiled
+    enable_compile_cache(off=args.no_compile_cache)  # before anything is compiled
 
     try:
         initialize(args.coordinator, args.num_processes, args.process_id)

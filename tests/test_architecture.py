@@ -130,7 +130,8 @@ def test_every_command_line_reports_a_refusal_through_one_function(capsys):
         if not path.is_file():
             path = ROOT / module.replace(".", "/") / "__main__.py"
         text = path.read_text()
-        assert re.search(r"^from \.+_cli import exit_with, fail(, \w+)*$", text, re.M), module
+        imported = re.findall(r"^from \.+_cli import (\([^)]*\)|.*)$", text, re.M)
+        assert {"exit_with", "fail"} <= set(re.findall(r"\w+", " ".join(imported))), module
         assert re.search(r'\nif __name__ == "__main__":\n    exit_with\(main(, .+)?\)\n\Z', text), (
             module
         )
@@ -291,9 +292,12 @@ def test_public_face():
     exec("from ocformer import *", star)
     assert {"Discretisation", "from_layers", "Config", "train"} <= set(star)
     assert ocformer.models.refine is ocformer.refine
-    code = "import sys, ocformer; print('jax' in sys.modules)"
+    code = "import sys, ocformer, ocformer.analysis; print('jax' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False", done.stderr
+    # So is ocformer.analysis (`python -m ocformer.analysis` imports it first).
+    exec("from ocformer.analysis import *", star)
+    assert set(ocformer.analysis.__all__) == set(ocformer.analysis._EXPORTS) <= set(star)
     from ocformer import train
 
     assert callable(train)

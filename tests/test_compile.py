@@ -154,7 +154,8 @@ def test_a_second_process_loads_the_training_step_from_the_cache(tmp_path):
     """The training and evaluation steps of a constant-step run call nothing back on the
     host (the grid's controller and the solve have no run-time checks), so JAX writes
     them to the persistent cache and a second process loads them instead of compiling,
-    with equinox's checks left on (``EQX_ON_ERROR`` unset)."""
+    with equinox's checks left on (``EQX_ON_ERROR`` unset); ``ocformer.evaluate`` of the
+    run loads its evaluation step too."""
     import subprocess
     import sys
 
@@ -183,3 +184,12 @@ def test_a_second_process_loads_the_training_step_from_the_cache(tmp_path):
     # Every program of the second process came from the cache.
     hits = second.count("Persistent compilation cache hit")
     assert hits == second.count("Finished XLA compilation") > 0, hits
+    # The evaluation of the trained run uses the same cache, unless told not to.
+    evaluate = [sys.executable, "-m", "ocformer.evaluate", str(tmp_path / "second")]
+    for off in ([], ["--no-compile-cache"]):
+        done = subprocess.run(
+            [*evaluate, *off], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        hit = "cache hit for 'jit_evaluate'" in done.stderr
+        assert hit != bool(off), done.stderr[-3000:]

@@ -81,7 +81,38 @@ if _TYPE_CHECKING:
         token_similarity as token_similarity,
     )
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "Costates",
+    "GradientDensity",
+    "costates",
+    "gradient_check",
+    "gradient_density",
+    "terminal_loss",
+    "STUDY_FORMULATIONS",
+    "convergence_study",
+    "fitted_slope",
+    "format_table",
+    "local_slopes",
+    "plot_study",
+    "study_input",
+    "study_model",
+    "study_stepper",
+    "discretisation_study",
+    "gradient_comparison",
+    "ShiftedControl",
+    "StepMap",
+    "chain",
+    "trajectory",
+    "Lyapunov",
+    "TokenSimilarity",
+    "benettin_exponents",
+    "lyapunov_exponents",
+    "lyapunov_refinement",
+    "model_benettin",
+    "model_lyapunov",
+    "randomised_lyapunov_exponents",
+    "token_similarity",
+]
 
 
 def __getattr__(name: str):

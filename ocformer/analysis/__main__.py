@@ -19,8 +19,9 @@ import math
 import re
 import sys
 
-from .._cli import exit_with, fail
+from .._cli import add_compile_cache_option, exit_with, fail
 from ..checkpointing import atomic_write_text, output_problem
+from ..training import enable_compile_cache
 
 # Importing the study makes no array, so 64-bit JAX, enabled in main before anything
 # is computed, still applies.
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="write a log-log plot here, in the format of its extension (.png, .pdf, .svg)",
     )
+    add_compile_cache_option(conv)
     try:
         args = parser.parse_args(_joined_lists(sys.argv[1:] if argv is None else list(argv)))
     except SystemExit as e:  # --help (0), or a bad argument: argparse named it (2)
@@ -236,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    enable_compile_cache(off=args.no_compile_cache)  # before anything is compiled
 
     try:
         result = convergence_study(

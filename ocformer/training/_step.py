@@ -49,8 +49,11 @@ def default_compile_cache_dir() -> str:
     return os.path.join(base, "ocformer", "jax")
 
 
-def enable_compile_cache() -> str | None:
+def enable_compile_cache(off: bool = False) -> str | None:
     """Turn on JAX's persistent compilation cache; return its directory (None: off).
+
+    ``off=True`` (a command's ``--no-compile-cache``) turns it off as
+    ``OCFORMER_COMPILE_CACHE=off`` does, for this process and the library calls in it.
 
     The directory is ``$OCFORMER_COMPILE_CACHE`` if set to a path (``~`` expanded),
     else ``default_compile_cache_dir()``; ``OCFORMER_COMPILE_CACHE=off`` (or ``0``)
@@ -61,6 +64,8 @@ def enable_compile_cache() -> str | None:
     Programs that call back to the host (equinox's run-time checks) are never stored
     by JAX.
     """
+    if off:
+        os.environ[COMPILE_CACHE_ENV] = "off"  # also for train(), which enables it
     choice = os.environ.get(COMPILE_CACHE_ENV, "").strip()
     if choice.lower() in _OFF and choice:
         # Off, even where JAX was given a directory of its own (JAX_COMPILATION_CACHE_DIR).
