@@ -31,7 +31,7 @@ from ..config import (
 )
 from ..integration import jumps_stepped_over
 from ..models import DEPTH_PARALLEL_ONLY, rediscretise
-from ..splitting import inner_solver
+from ..splitting import ProjectedSolver, inner_solver
 from ..training import (
     NonFiniteEvaluation,
     SolverFailure,
@@ -177,7 +177,9 @@ def _time_stepper(model):
 
 def evaluations_per_step(stepper) -> tuple[int, bool] | None:
     """(vector-field evaluations per step, first-same-as-last) of an explicit diffrax
-    Runge-Kutta solver, from its Butcher tableau; ``None`` for anything else: an
+    Runge-Kutta solver, from its Butcher tableau (a first-same-as-last one wrapped in
+    the projected formulation's ``ProjectedSolver`` evaluates every stage of every
+    step, as a solver that is not); ``None`` for anything else: an
     implicit solver's evaluations depend on its root finder's iterations (several per
     implicit stage, and its Jacobians), and splitting schemes evaluate sub-flows, not
     the full vector field."""
@@ -190,7 +192,8 @@ def evaluations_per_step(stepper) -> tuple[int, bool] | None:
     # An IMEX pair (KenCarp) is a MultiButcherTableau; Kvaerno's stages are implicit.
     if not isinstance(tableau, diffrax.ButcherTableau) or tableau.implicit:
         return None
-    return tableau.num_stages, bool(tableau.fsal)
+    # Under the projected formulation every step evaluates its first stage afresh.
+    return tableau.num_stages, bool(tableau.fsal) and not isinstance(stepper, ProjectedSolver)
 
 
 def count_evaluations(stepper, num_steps: int, jumps: int = 0) -> int | None:

@@ -19,10 +19,11 @@ class ProjectedSolver(diffrax.AbstractSolver):
     manifold (Hairer, Lubich, Wanner, *Geometric Numerical Integration*, IV.4), and
     the states lie on $S_1$ to rounding. The error estimate of an adaptive solver is
     that of the unprojected step, which is of the same order. A first-same-as-last
-    solver (Tsit5, Dopri5) starts each step with the last stage of the previous one,
-    evaluated at the unprojected state: the map is then that formula up to a
-    perturbation that vanishes with the step at the solver's order, for no extra
-    evaluation; Heun and the other solvers compute it exactly.
+    solver (Tsit5, Dopri5) evaluates its first stage at the projected state, as after a
+    jump, rather than take the previous step's last stage, which was evaluated at the
+    unprojected one: one more evaluation per step, and each step is the formula above,
+    a map of the state alone (``ocformer.analysis.StepMap``, the costates and the
+    Lyapunov exponents linearise that map).
 
     Args:
         solver: the wrapped solver (a diffrax solver or a splitting scheme).
@@ -55,8 +56,10 @@ class ProjectedSolver(diffrax.AbstractSolver):
             # by O(1), and every solver first order.
             on_new = project_onto_set(args.control(t0).norm2, y0)
             y0 = jnp.where(made_jump, on_new, y0)
+        # made_jump=True: a first-same-as-last solver evaluates its first stage at y0,
+        # which the last step's projection moved from where its last stage was taken.
         y1, y_error, _, solver_state, result = self.solver.step(
-            terms, t0, t1, y0, args, solver_state, made_jump
+            terms, t0, t1, y0, args, solver_state, True
         )
         y1 = project_onto_set(args.control(t1).norm2, y1)
         # Linear dense output between the projected states: the wrapped solver's own
