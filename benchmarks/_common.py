@@ -211,14 +211,15 @@ def _git(*args: str) -> str | None:
 
 def git_state() -> dict:
     """``git_commit`` (``git rev-parse HEAD``) and ``git_uncommitted_changes`` (whether
-    ``git status --porcelain`` lists anything: edits or untracked files) of the
+    ``git status --porcelain --untracked-files=no`` lists anything: edits of tracked
+    files; the benchmarks' own result files, new in the tree, do not count) of the
     repository measured; both ``None`` where it is not a git checkout of its own (a
     copy of the working tree without ``.git``, which git would otherwise resolve to an
     enclosing repository) or git is missing."""
     top = _git("rev-parse", "--show-toplevel")
     if top is None or os.path.realpath(top) != os.path.realpath(REPOSITORY):
         return {"git_commit": None, "git_uncommitted_changes": None}
-    status = _git("status", "--porcelain")
+    status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "git_commit": _git("rev-parse", "HEAD"),
         "git_uncommitted_changes": None if status is None else bool(status),

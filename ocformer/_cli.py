@@ -132,18 +132,20 @@ def in_gc_callback(frame) -> bool:
 
 # A Ctrl-C while a command starts (``record_interrupts``): whether one came, and whether
 # the command's imports are done (from then on it raises KeyboardInterrupt).
-_interrupt = {"came": False, "raises": False}
+_interrupt = {"came": False, "raises": False, "retry": False}
 
 
 def _starting_interrupt(signum, frame) -> None:
     del signum
     _interrupt["came"] = True
+    _interrupt["retry"] = False
     if not _interrupt["raises"]:
         return
     if in_gc_callback(frame):  # raised there, it would be printed and ignored: once the
-        # callback has returned, the main thread is interrupted again (here, if the
-        # command has not ended meanwhile)
-        threading.Timer(_RETRY_S, _interrupt_again).start()
+        # callback has returned, the main thread is interrupted again
+        retry = threading.Timer(_RETRY_S, _interrupt_again)
+        retry.daemon = True  # the interpreter's shutdown does not wait for it
+        retry.start()
         return
     raise KeyboardInterrupt
 
@@ -152,10 +154,21 @@ _RETRY_S = 0.01
 
 
 def _interrupt_again() -> None:
-    # Only to this handler: another one since (the training loop's guard) has seen the
-    # Ctrl-C already, through ``interrupted``, and would take this for a second one.
-    if _interrupt["raises"] and signal.getsignal(signal.SIGINT) is _starting_interrupt:
-        _thread.interrupt_main(signal.SIGINT)
+    # To whichever handler the command has installed by now: this one raises; the
+    # training loop's guard has seen the Ctrl-C already (``interrupted``) and takes the
+    # retry for no second one (``retried_interrupt``); a sweep's or a launcher's takes
+    # it as the Ctrl-C, which they had not seen.
+    if _interrupt["raises"]:
+        _interrupt["retry"] = True
+        _thread.interrupt_main(signal.SIGINT)  # nothing where SIGINT is ignored
+
+
+def retried_interrupt() -> bool:
+    """Whether the SIGINT being handled is ``record_interrupts``' retry of a Ctrl-C that
+    was noted (``interrupted``) inside a garbage-collection callback, rather than a new
+    one; a handler calls it once, on entry (it clears the mark)."""
+    retry, _interrupt["retry"] = _interrupt["retry"], False
+    return retry
 
 
 def record_interrupts() -> None:
@@ -230,10 +243,13 @@ def exit_with(
     """
     end_with_parent()
     sys.stdout = _StdoutOfGoneReader(sys.stdout)
-    if program is None:
-        code = int(main())
-    else:
-        code = _interruptible(main, program, interrupted_note)
+    try:
+        if program is None:
+            code = int(main())
+        else:
+            code = _interruptible(main, program, interrupted_note)
+    finally:
+        _interrupt["raises"] = False  # a Ctrl-C after the command's end is only noted
     if _skip_shutdown:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):  # a reader that has gone
@@ -254,5 +270,3 @@ def _interruptible(main: Callable[[], int], program: str, note: str) -> int:
         logging.getLogger("absl").setLevel(logging.CRITICAL)
         skip_shutdown()
         return fail(program, 130, "interrupted" + (f"; {note}" if note else ""))
-    finally:
-        _interrupt["raises"] = False  # a Ctrl-C after the command's end is only noted

@@ -137,12 +137,15 @@ def test_gpu_benchmark_refuses_without_a_gpu_and_dry_runs(tmp_path):
     # The standard rule: jax cannot lower the gradient of its bfloat16
     # dot_product_attention under strict promotion (a float32 score cotangent against
     # bfloat16 keys in its BF16_BF16_F32 dot), and the benchmark trains in bfloat16.
-    proc = _run("benchmarks.gpu", "--dry-run", "--json", str(out), promotion="standard")
+    proc = _run(
+        "benchmarks.gpu", "--dry-run", "--attention", "cudnn", "--json", str(out),
+        promotion="standard",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["dry_run"] is True and r["compute_dtype"] == "bfloat16"
     # What ran: on a CPU no cuDNN kernel, whatever --attention asked for.
-    assert r["attention_requested"] == "xla" and r["attention_implementation"] == "xla"
+    assert r["attention_requested"] == "cudnn" and r["attention_implementation"] == "xla"
     # Provenance: the commit measured (null outside a git checkout of its own).
     assert {"git_commit", "git_uncommitted_changes", "versions", "machine"} <= set(r)
     for key in ("tokens_per_s", "ratio_vs_flax", "ratio_vs_flax_remat", "model_flops_per_step"):

@@ -110,6 +110,36 @@ def test_a_model_s_nfe_counts_the_first_stage_again_after_each_jump(name, stepsi
     assert count_evaluations(SOLVERS[name](), stats["solver_steps"]) == stats["nfe"] - 3 * fsal
 
 
+@pytest.mark.parametrize(
+    "name, stepsize", [("tsit5", "constant"), ("dopri5", "pid"), ("heun", "constant")]
+)
+def test_the_projected_formulation_s_nfe_is_every_stage_of_every_step(name, stepsize, monkeypatch):
+    """Under the projected formulation a first-same-as-last solver evaluates its first
+    stage at the projected state in every step: the NFE is the stages times the steps,
+    counted call by call (PID too: each attempt evaluates all its stages)."""
+    from ocformer.analysis import study_input, study_model
+    from ocformer.dynamics._constrained import ProjectedField
+
+    calls = []
+    field = ProjectedField.__call__
+
+    def counted(self, t, y, args):
+        jax.debug.callback(lambda: calls.append(1))
+        return field(self, t, y, args)
+
+    monkeypatch.setattr(ProjectedField, "__call__", counted)
+    jax.clear_caches()
+    eqx.clear_caches()
+    model = rediscretise(
+        study_model("projected", seed=0),
+        Discretisation(SOLVERS[name](), steps_per_layer=2, stepsize=stepsize),
+    )
+    stats = solver_stats(_Direct(model), {"inputs": study_input(model)})
+    jax.effects_barrier()
+    stages = SOLVERS[name]().tableau.num_stages
+    assert stats["nfe"] == len(calls) == stages * stats["solver_steps"], (len(calls), stats)
+
+
 def test_counts_are_whole_numbers_of_any_kind():
     """diffrax's statistics are JAX arrays, and NumPy integers come from tables."""
     tsit5 = diffrax.Tsit5()

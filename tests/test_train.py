@@ -874,6 +874,57 @@ def test_a_ctrl_c_while_the_command_starts_is_noted_and_stops_the_run():
     assert "Exception ignored" not in done.stderr, done.stderr
 
 
+def test_a_retried_ctrl_c_reaches_the_handler_installed_since_once():
+    """A Ctrl-C noted in a garbage-collection callback is raised again once it returns,
+    in whichever handler the command has installed by then: the training loop's guard
+    (which took it from ``interrupted``) does not count it as a second Ctrl-C, which
+    would end the run at once; a sweep's stop handler, which had not seen it, stops the
+    sweep (it was lost). A command whose ``main`` returns just after one ends without
+    the traceback of a retry raised during the interpreter's shutdown."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc, signal, sys, time\n"
+        "from ocformer import _cli\n"
+        "from ocformer.sweeping import _run\n"
+        "from ocformer.training import _preempt\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored\n"
+        "_cli.record_interrupts()\n"
+        "_cli.raise_interrupts()\n"
+        "_preempt.exit_on_second_interrupt()\n"
+        "def ctrl_c_in_gc():\n"
+        "    def callback(phase, info):\n"
+        "        if phase == 'start':\n"
+        "            signal.raise_signal(signal.SIGINT)\n"
+        "            sum(range(10))\n"
+        "    gc.callbacks.append(callback)\n"
+        "    gc.collect()\n"
+        "    gc.callbacks.remove(callback)\n"
+        "ctrl_c_in_gc()\n"
+        "with _preempt.PreemptionGuard(60.0) as guard:  # before the retry comes\n"
+        "    time.sleep(0.3)\n"
+        "    try:\n"
+        "        guard.check_interrupted()\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('the run stops at its step', flush=True)\n"
+        "ctrl_c_in_gc()\n"
+        "with _run._stop_on_signals():\n"
+        "    time.sleep(0.3)\n"
+        "    print('the sweep stops', _run._stopping['signal'] == signal.SIGINT, flush=True)\n"
+        "def main():\n"
+        "    ctrl_c_in_gc()\n"
+        "    return 0\n"
+        "_cli.exit_with(main)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["the run stops at its step", "the sweep stops True"], (
+        done.stdout, done.stderr[-2000:]
+    )  # fmt: skip
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def _ctrl_c(cmd: list[str], after_s: float = 0.0) -> tuple[int, str, str]:
     """Run ``cmd`` and send it a Ctrl-C, as at a terminal, ``after_s`` seconds after
     jaxlib's library is mapped (while JAX imports, for 0: the command's handler is

@@ -3,6 +3,7 @@ orders of convergence, gradients and costates, a trained model under other
 discretisations, and the dynamics of tokens."""
 
 import importlib as _importlib
+import pkgutil as _pkgutil
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # Each name is imported from its module on first use: `python -m ocformer.analysis`
@@ -120,6 +121,8 @@ def __getattr__(name: str):
         value = getattr(_importlib.import_module(_EXPORTS[name], __name__), name)
         globals()[name] = value  # the next look-up finds it without this function
         return value
+    if name in {m.name for m in _pkgutil.iter_modules(__path__)}:  # `analysis._steps`, ...
+        return _importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from .._cli import in_gc_callback, interrupted
+from .._cli import in_gc_callback, interrupted, retried_interrupt
 from ._errors import ExitCode
 
 # Whether a second SIGINT while a run stops ends the process at once (the command line)
@@ -107,6 +107,8 @@ class PreemptionGuard:
 
     def _interrupt(self, signum, frame):
         del signum
+        if retried_interrupt():  # the Ctrl-C this guard took from ``interrupted``
+            return
         if self.requested or (self.interrupted and _exit_on_second_interrupt):
             exit_at_once()
         self.interrupted = True
