@@ -4,7 +4,6 @@ import dataclasses
 from typing import ClassVar
 
 import diffrax
-import jax.numpy as jnp
 
 from ..dynamics import project_onto_set
 
@@ -12,9 +11,12 @@ from ..dynamics import project_onto_set
 class ProjectedSolver(diffrax.AbstractSolver):
     r"""Any one-step solver followed by the projection onto $S_1(\theta(t_{n+1}))$.
 
-    $$u^{n+1} = P_{S_1(\theta(t_{n+1}))}\big(\Psi^{\delta t}(u^n)\big),$$
-    and a step that starts just past a jump of the controls (``made_jump``) first
-    projects $u^n$ onto $S_1(\theta(t_n))$, the new set: the state jumps with them.
+    $$u^{n+1} = P_{S_1(\theta(t_{n+1}))}\big(\Psi^{\delta t}(P_{S_1(\theta(t_n))}\,u^n)\big):$$
+    every step first projects its state onto $S_1(\theta(t_n))$, which changes nothing
+    within a layer (the last step ended on that set) and, at a step that starts just
+    past a jump of the controls, moves the state onto the new set: the state jumps with
+    them. So does the first step of each chunk of a depth-parallel solve, which is a
+    solve of its own (starting past the jump, it is not told it made one).
     Projecting after each step of a one-step method of order p keeps order p on the
     manifold (Hairer, Lubich, Wanner, *Geometric Numerical Integration*, IV.4), and
     the states lie on $S_1$ to rounding. The error estimate of an adaptive solver is
@@ -49,13 +51,12 @@ class ProjectedSolver(diffrax.AbstractSolver):
         return self.solver.init(terms, t0, t1, y0, args)
 
     def step(self, terms, t0, t1, y0, args, solver_state, made_jump):
-        if made_jump is not False:
-            # The step starts just past a jump of the controls (a layer boundary of
-            # piecewise-constant ones): the state jumps with them, onto the new S_1.
-            # Left on the old set, the first step of every layer was off the manifold
-            # by O(1), and every solver first order.
-            on_new = project_onto_set(args.control(t0).norm2, y0)
-            y0 = jnp.where(made_jump, on_new, y0)
+        # Onto S_1(theta(t0)): past a jump of the controls (a layer boundary of
+        # piecewise-constant ones) the state jumps with them, onto the new set. Left on
+        # the old set, the first step of every layer was off the manifold by O(1), and
+        # every solver first order; only after a jump the solve reports (made_jump)
+        # missed the chunks of a depth-parallel solve, each a solve of its own.
+        y0 = project_onto_set(args.control(t0).norm2, y0)
         # made_jump=True: a first-same-as-last solver evaluates its first stage at y0,
         # which the last step's projection moved from where its last stage was taken.
         y1, y_error, _, solver_state, result = self.solver.step(
