@@ -25,6 +25,7 @@ from ocformer.models import (
     IMPLICIT_MIN_STEPS_PER_LAYER,
     ContinuousTransformer,
     IncompatibleError,
+    describe_stepper,
     rediscretise,
     refine,
     reformulate,
@@ -256,6 +257,24 @@ COARSE_IMPLICIT = [
     ("projected", "implicit_euler", 2),
     ("relaxed", "kvaerno4", 2),
 ]
+
+
+def test_a_solver_with_stages_past_its_step_is_refused_on_piecewise_constant_controls():
+    """Kvaerno4 and Kvaerno5 have stage abscissae 1.1456 and 1.2303: in the last step of
+    a layer a stage reads the next layer's controls, however the grid steps over the
+    layer boundaries (the end of layer 0 depended on layer 1's controls: a gradient
+    norm of 17.5 and 5.3). Refused there; Kvaerno3 and the smooth controls are not."""
+    assert {n for n, f in SOLVERS.items() if describe_stepper(f())["stages_past_end"]} == {
+        "kvaerno4", "kvaerno5"
+    }  # fmt: skip
+    values = init_stacked_params(jr.PRNGKey(0), 2, 8, 16, dtype=jnp.float64)
+    steps = dict(steps_per_layer=IMPLICIT_MIN_STEPS_PER_LAYER)
+    for solver in (diffrax.Kvaerno4(), diffrax.Kvaerno5()):
+        with pytest.raises(IncompatibleError, match="reads the next layer's controls") as e:
+            _build(PiecewiseConstant(values), stepper=solver, **steps)
+        assert e.value.field == "discretisation.stepper"
+        _build(study_model("pre", seed=0).control, stepper=solver, **steps)  # a basis
+    _build(PiecewiseConstant(values), stepper=diffrax.Kvaerno3(), **steps)
 
 
 @pytest.mark.parametrize("formulation,name,steps", COARSE_IMPLICIT)

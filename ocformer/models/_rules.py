@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import diffrax
+import numpy as np
 
 from ..integration import CONSTANT_STEP_METHODS
 from ..splitting import SCHEMES, SOLVERS, AbstractSplittingSolver, is_imex, is_implicit
@@ -64,6 +65,8 @@ class Choices:
         stepper: the time stepper's name (``"lie"``, ``"strang"``, ``"tsit5"``, ...).
         stepper_kind: ``"splitting"``, ``"explicit"``, ``"implicit"`` or ``"imex"``.
         error_estimate: whether the stepper gives an error estimate (adaptive steps).
+        stages_past_end: whether the stepper evaluates a stage past its step's end (a
+            Runge-Kutta abscissa above 1: kvaerno4, kvaerno5).
         sub_solver: the explicit sub-solver of a splitting scheme.
         steps_per_layer, stepsize, jump_ts: the grid and step-size control.
         gradient: the gradient method's name.
@@ -86,6 +89,7 @@ class Choices:
     stepper: str
     stepper_kind: StepperKind
     error_estimate: bool
+    stages_past_end: bool = False
     sub_solver: str = "euler"
     steps_per_layer: int = 1
     stepsize: str = "constant"
@@ -289,6 +293,21 @@ def _explicit_relaxation_stability(c: Choices) -> Refusal | None:
             f"{1.0 / c.steps_per_layer:g} > {EXPLICIT_RELAXATION_LIMIT:g} * relaxation_eps "
             f"({c.relaxation_eps:g}) is unstable for the stiff relaxation. Use at least "
             f"{needed} steps_per_layer, or an implicit (kvaerno) or IMEX (kencarp) solver",
+        )
+    return None
+
+
+def _stages_within_each_layer(c: Choices) -> Refusal | None:
+    if c.stages_past_end and c.controls == "piecewise_constant":
+        return Refusal(
+            "discretisation.stepper",
+            f"{c.stepper} evaluates a stage past the end of its step (an abscissa above "
+            "1), so in the last step of each layer it reads the next layer's controls, "
+            "which the grid's stepping over the layer boundaries cannot prevent: the "
+            "solve is of other controls than the model's, and the solver loses its "
+            "order (measured: the end of layer 0 depends on layer 1's controls). Use "
+            "kvaerno3, an IMEX solver (kencarp3/4/5) on the relaxed formulation, or "
+            "continuous controls (controls.kind=basis)",
         )
     return None
 
@@ -519,6 +538,7 @@ RULES: tuple[Callable[[Choices], Refusal | None], ...] = (
     _adaptive_needs_jumps,
     _explicit_relaxation_stability,
     _implicit_needs_small_steps,
+    _stages_within_each_layer,
     _otd_needs_smooth_single_term,
     _otd_projected_needs_continuous_controls,
     _otd_relaxed_is_unstable,
@@ -552,8 +572,11 @@ def describe_stepper(stepper) -> dict:
         )
     names = [n for n, factory in SOLVERS.items() if factory is type(stepper)]
     kind = "imex" if is_imex(stepper) else "implicit" if is_implicit(stepper) else "explicit"
+    tableau = getattr(stepper, "tableau", None)
+    tableaus = getattr(tableau, "tableaus", (tableau,) if tableau is not None else ())
     return dict(
         stepper=names[0] if names else type(stepper).__name__,
         stepper_kind=kind,
         error_estimate=isinstance(stepper, diffrax.AbstractAdaptiveSolver),
+        stages_past_end=any(np.size(t.c) and float(np.max(t.c)) > 1 for t in tableaus),
     )
