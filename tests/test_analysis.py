@@ -41,8 +41,8 @@ def _values(seed=0):
     return init_stacked_params(jr.key(seed), LAYERS, WIDTH, HIDDEN, dtype=jnp.float64)
 
 
-def _transformer(stepper, m, values=None, norm="pre", formulation="split"):
-    if values is None and formulation == "projected":  # the set's scalar controls
+def _transformer(stepper, m, values=None, norm="pre", formulation="split", **kwargs):
+    if values is None and formulation != "split":  # the set's scalar controls
         values = init_stacked_params(
             jr.key(0), LAYERS, WIDTH, HIDDEN, dtype=jnp.float64, norm_affine="scalar"
         )
@@ -55,6 +55,7 @@ def _transformer(stepper, m, values=None, norm="pre", formulation="split"):
         causal=True,
         activation="gelu",
         discretisation=Discretisation(stepper, steps_per_layer=m),
+        **kwargs,
     )
 
 
@@ -208,10 +209,18 @@ def test_substep_costates_match_finite_differences():
         assert abs(float(jnp.vdot(result.sub_costates[k], v)) - float(fd)) < 1e-9
 
 
-def test_gradient_density_sums_to_the_layer_gradients():
+@pytest.mark.parametrize("formulation", ["split", "projected", "relaxed"])
+def test_gradient_density_sums_to_the_layer_gradients(formulation):
     """For piecewise-constant controls the density integrated over each layer is
-    dJ/dtheta_k, here against autodiff of the whole solve (Heun, 3 steps per layer)."""
-    model = _transformer(diffrax.Heun(), 3)
+    dJ/dtheta_k, here against autodiff of the whole solve (Heun, 3 steps per layer;
+    KenCarp3 on the relaxed formulation, whose projection of u0 onto S1(theta(t0))
+    the density left out: 1.1e-2 off in the layer-norm controls)."""
+    if formulation == "split":
+        model = _transformer(diffrax.Heun(), 3)
+    else:
+        stepper = diffrax.Heun() if formulation == "projected" else diffrax.KenCarp3()
+        kwargs = {"relaxation_eps": 0.1} if formulation == "relaxed" else {}
+        model = _transformer(stepper, 3, norm="post", formulation=formulation, **kwargs)
     u0 = _u0()
     result = gradient_density(model, u0, _loss)
     assert result.density.shape == (LAYERS * 3,)
@@ -219,7 +228,7 @@ def test_gradient_density_sums_to_the_layer_gradients():
         model.control.values
     )
     for a, b in zip(jax.tree.leaves(result.per_layer), jax.tree.leaves(exact)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-11)
 
 
 def test_terminal_loss_is_the_objective():

@@ -258,6 +258,19 @@ def costates(
     return Costates(ts, ys, lams, _norm(lams), sub_ts, sub, sub_norms)
 
 
+def _initial_gradient(model: ContinuousTransformer, u0, lam0):
+    """The gradient w.r.t. a constant shift of the controls of J through u(0) =
+    ``initial_state(u0)`` alone, given ``lam0`` = dJ/du(0)."""
+    zero = jax.tree.map(jnp.zeros_like, model.control(model.control.interval[0]))
+
+    def start(d):
+        shifted = eqx.tree_at(lambda m: m.control, model, ShiftedControl(model.control, d))
+        return shifted.initial_state(u0)
+
+    _, vjp = jax.vjp(start, zero)
+    return vjp(lam0)[0]
+
+
 class GradientDensity(NamedTuple):
     r"""$dJ/d\theta(t)$ on the step grid.
 
@@ -287,8 +300,13 @@ def gradient_density(
     steps = StepMap(transformer, key_mask, u0.dtype)
     model = steps.transformer
     ts, ys = trajectory(model, u0, key_mask)
-    _, extra = _backward(steps, ys, loss, False, True)
+    lams, extra = _backward(steps, ys, loss, False, True)
     g = extra["theta"]
+    if model.formulation == "relaxed":
+        # u(0) is u0 projected onto S1(theta(t0)) outside the steps (a projected step
+        # projects its own start, so its gradient has this term already): the controls
+        # of the first step move it too.
+        g = jax.tree.map(lambda x, y: x.at[0].add(y), g, _initial_gradient(model, u0, lams[0]))
     dt = ts[1:] - ts[:-1]
     squares = sum(jnp.sum(x.reshape(x.shape[0], -1) ** 2, axis=1) for x in jax.tree.leaves(g))
     m = model.steps_per_layer
