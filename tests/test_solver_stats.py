@@ -66,6 +66,22 @@ def test_imex_solvers_and_splitting_schemes_have_no_nfe(name):
     assert evaluations_per_step(stepper) is None and count_evaluations(stepper, 4) is None
 
 
+def _count_calls(monkeypatch, field_class) -> list:
+    """A list that gains an entry at every call of ``field_class`` in a solve from now on
+    (after ``jax.effects_barrier()``); every solve is traced anew, through the count."""
+    calls = []
+    field = field_class.__call__
+
+    def counted(self, t, y, args):
+        jax.debug.callback(lambda: calls.append(1))
+        return field(self, t, y, args)
+
+    monkeypatch.setattr(field_class, "__call__", counted)
+    jax.clear_caches()
+    eqx.clear_caches()
+    return calls
+
+
 class _Direct(eqx.Module):
     """A model whose inputs are its initial state (what ``solver_stats`` reads)."""
 
@@ -85,16 +101,7 @@ def test_a_model_s_nfe_counts_the_first_stage_again_after_each_jump(name, stepsi
     reported NFE missed those (25 for 26 calls at L = 2, 49 for 52 at L = 4). Counted
     call by call: exact on the constant-step grid; under PID low by at most the steps
     rejected right after a jump, which diffrax's statistics do not show."""
-    calls = []
-    field = SumField.__call__
-
-    def counted(self, t, y, args):
-        jax.debug.callback(lambda: calls.append(1))
-        return field(self, t, y, args)
-
-    monkeypatch.setattr(SumField, "__call__", counted)
-    jax.clear_caches()  # every solve traced anew, through the counting field
-    eqx.clear_caches()
+    calls = _count_calls(monkeypatch, SumField)
     stack = from_layers(random_stack(61, 4, 6, 7), norm="pre", num_heads=2, activation="gelu")
     model = rediscretise(
         stack, Discretisation(SOLVERS[name](), steps_per_layer=2, stepsize=stepsize)
@@ -120,16 +127,7 @@ def test_the_projected_formulation_s_nfe_is_every_stage_of_every_step(name, step
     from ocformer.analysis import study_input, study_model
     from ocformer.dynamics._constrained import ProjectedField
 
-    calls = []
-    field = ProjectedField.__call__
-
-    def counted(self, t, y, args):
-        jax.debug.callback(lambda: calls.append(1))
-        return field(self, t, y, args)
-
-    monkeypatch.setattr(ProjectedField, "__call__", counted)
-    jax.clear_caches()
-    eqx.clear_caches()
+    calls = _count_calls(monkeypatch, ProjectedField)
     model = rediscretise(
         study_model("projected", seed=0),
         Discretisation(SOLVERS[name](), steps_per_layer=2, stepsize=stepsize),
