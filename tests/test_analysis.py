@@ -228,7 +228,7 @@ def test_gradient_density_sums_to_the_layer_gradients(formulation):
         model.control.values
     )
     for a, b in zip(jax.tree.leaves(result.per_layer), jax.tree.leaves(exact)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-11)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-10, atol=1e-12)
 
 
 def test_terminal_loss_is_the_objective():
