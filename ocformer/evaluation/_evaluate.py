@@ -230,7 +230,8 @@ def solver_stats(model, batch: dict) -> dict:
 
     ``nfe`` is counted from the steps and an explicit solver's tableau (stages per step;
     one fewer after the first step for first-same-as-last solvers, and one more after
-    each jump of the control stepped over, where they evaluate their first stage again).
+    each jump of the control stepped over, where they evaluate their first stage again;
+    under the projected formulation they evaluate it at every step).
     It is exact on the constant-step grid; under the PID controller a step rejected
     right after a jump evaluates that stage once more, which diffrax's statistics do not
     show, so ``nfe`` may be low by at most ``rejected_steps`` there. ``None`` for
